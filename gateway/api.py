@@ -1,0 +1,260 @@
+"""HTTP routes: conversations, publishing, history, health."""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import msgspec
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from . import protocol as p
+from .auth import AuthError, Principal, bearer, verify_token
+from .conversations import PublishBatch, PublishEvent
+from .errors import Rejected
+from .store import Meta
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+MAX_BODY_BYTES = 1 << 20
+T = TypeVar("T")
+_encode = msgspec.json.encode
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return content if isinstance(content, bytes) else _encode(content)
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+class NewConversation(msgspec.Struct, frozen=True):
+    chat_id: p.ChatId | None = None
+    title: str | None = None
+
+
+class Rename(msgspec.Struct, frozen=True):
+    title: str
+
+
+class PageQuery(msgspec.Struct, frozen=True):
+    limit: Annotated[int, msgspec.Meta(ge=1, le=200)] = 50
+    cursor: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class HistoryQuery(msgspec.Struct, frozen=True):
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+def _principal(request: Request) -> Principal:
+    token = bearer(request.headers.get("authorization"), request.query_params.get("token"))
+    try:
+        return verify_token(_gateway(request).settings.secret, token)
+    except AuthError as exc:
+        raise Rejected("unauthorized", str(exc)) from None
+
+
+def _chat_id(request: Request) -> str:
+    chat_id: str = request.path_params["chat_id"]
+    if not p.CHAT_ID_RE.match(chat_id):
+        raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+    return chat_id
+
+
+def _query(request: Request, kind: type[T]) -> T:
+    try:
+        return msgspec.convert(dict(request.query_params), kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise Rejected("invalid_request", f"query: {exc}") from None
+
+
+async def _body(request: Request, kind: type[T]) -> T:
+    body = await _read_body(request)
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise Rejected("unprocessable", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
+    return body
+
+
+async def _owned(request: Request, who: Principal, chat_id: str) -> Meta:
+    meta = await _gateway(request).store.meta(chat_id)
+    if meta is None:
+        raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
+    if not who.may_access(meta.owner):
+        raise Rejected("forbidden", "you may not access this conversation")
+    return meta
+
+
+def conversation_view(chat_id: str, meta: Meta) -> dict[str, Any]:
+    return {
+        "chat_id": chat_id, "owner": meta.owner, "title": meta.title, "status": meta.status,
+        "turn_id": meta.turn_id, "epoch": meta.epoch, "last_seq": meta.seq,
+        "created_at": meta.created_at, "updated_at": meta.updated_at,
+        "goal_state": msgspec.Raw(meta.goal) if meta.goal else None, "preview": meta.preview,
+    }
+
+
+# --- routes ---------------------------------------------------------------------------
+
+
+async def publish_events(request: Request) -> Response:
+    who = _principal(request)
+    if not who.is_service:
+        raise Rejected("forbidden", "publishing needs a service token")
+    chat_id = _chat_id(request)
+    body = await _read_body(request)
+    try:
+        raw = msgspec.json.decode(body)
+        if isinstance(raw, dict) and "events" in raw:
+            batch = msgspec.convert(raw, PublishBatch)
+        else:
+            one = msgspec.convert(raw, PublishEvent)
+            batch = PublishBatch([one], one.idempotency_key)
+    except msgspec.ValidationError as exc:
+        raise Rejected("unprocessable", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
+    result = await _gateway(request).conversations.publish(
+        who, chat_id, list(batch.events), batch.idempotency_key
+    )
+    return JSONResponse({"chat_id": chat_id, "epoch": result.epoch, "seqs": result.seqs,
+                         "last_seq": result.last_seq, "duplicate": result.duplicate})
+
+
+async def create_conversation(request: Request) -> Response:
+    who = _principal(request)
+    spec = await _body(request, NewConversation)
+    chat_id = spec.chat_id or "c_" + secrets.token_hex(8)
+    gateway = _gateway(request)
+    if await gateway.store.meta(chat_id) is not None:
+        raise Rejected("conflict", f"conversation {chat_id!r} already exists")
+    await gateway.conversations.create(who, chat_id, spec.title)
+    meta = await _owned(request, who, chat_id)
+    return JSONResponse(conversation_view(chat_id, meta), status_code=201)
+
+
+async def list_conversations(request: Request) -> Response:
+    who = _principal(request)
+    page = _query(request, PageQuery)
+    rows = await _gateway(request).store.conversations(who.user_id, page.cursor, page.limit)
+    items = [conversation_view(chat_id, meta) for chat_id, meta in rows]
+    next_cursor = None
+    if len(rows) == page.limit:
+        next_cursor = rows[-1][1].updated_at
+    return JSONResponse({"conversations": items, "next_cursor": next_cursor})
+
+
+async def get_conversation(request: Request) -> Response:
+    chat_id = _chat_id(request)
+    meta = await _owned(request, _principal(request), chat_id)
+    return JSONResponse(conversation_view(chat_id, meta))
+
+
+async def rename_conversation(request: Request) -> Response:
+    who, chat_id = _principal(request), _chat_id(request)
+    spec = await _body(request, Rename)
+    await _owned(request, who, chat_id)
+    await _gateway(request).conversations.rename(who, chat_id, spec.title)
+    return JSONResponse(conversation_view(chat_id, await _owned(request, who, chat_id)))
+
+
+async def delete_conversation(request: Request) -> Response:
+    who, chat_id = _principal(request), _chat_id(request)
+    await _owned(request, who, chat_id)
+    await _gateway(request).store.delete(chat_id)
+    return Response(status_code=204)
+
+
+async def history(request: Request) -> Response:
+    who, chat_id = _principal(request), _chat_id(request)
+    query = _query(request, HistoryQuery)
+    await _owned(request, who, chat_id)
+    page = await _gateway(request).store.read(chat_id, query.after, query.limit)
+    if page.meta is None:
+        raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
+    frames = page.frames
+    next_after = frames[-1][0] if frames and frames[-1][0] < page.meta.seq else None
+    # The stored frames are already JSON: splice them in rather than re-encoding.
+    head = _encode({"chat_id": chat_id, "epoch": page.meta.epoch, "last_seq": page.meta.seq,
+                    "next_after": next_after})
+    body = head[:-1] + b',"events":[' + b",".join(f for _, f in frames) + b"]}"
+    return JSONResponse(body)
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    try:
+        await _gateway(request).redis.ping()
+    except (RedisError, ConnectionError, OSError) as exc:
+        return error_response(503, "backend_unavailable", f"redis: {exc}")
+    return JSONResponse({"status": "ready"})
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+async def on_rejected(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Rejected)
+    return error_response(exc.http_status, exc.code, exc.message)
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, str(exc.detail))
+
+
+async def on_backend_error(request: Request, exc: Exception) -> Response:
+    return error_response(503, "backend_unavailable", f"redis: {exc}")
+
+
+exception_handlers = {
+    Rejected: on_rejected,
+    HTTPException: on_http_error,
+    RedisError: on_backend_error,
+    ConnectionError: on_backend_error,
+}
+
+routes = [
+    Route("/healthz", healthz),
+    Route("/readyz", readyz),
+    Route("/v1/conversations", create_conversation, methods=["POST"]),
+    Route("/v1/conversations", list_conversations, methods=["GET"]),
+    Route("/v1/conversations/{chat_id}", get_conversation, methods=["GET"]),
+    Route("/v1/conversations/{chat_id}", rename_conversation, methods=["PATCH"]),
+    Route("/v1/conversations/{chat_id}", delete_conversation, methods=["DELETE"]),
+    Route("/v1/conversations/{chat_id}/events", publish_events, methods=["POST"]),
+    Route("/v1/conversations/{chat_id}/events", history, methods=["GET"]),
+]

@@ -1,0 +1,74 @@
+"""Tokens, and who may read or write which conversation."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import jwt
+import msgspec
+
+ALGORITHM = "HS256"
+
+Role = Literal["user", "service"]
+
+
+class AuthError(Exception):
+    """The token is missing, malformed, badly signed or expired."""
+
+
+class Principal(msgspec.Struct, frozen=True):
+    """Who is on the other end of a connection or request."""
+
+    user_id: str
+    role: Role = "user"
+    expires_at: float | None = None  # unix seconds
+
+    @property
+    def is_service(self) -> bool:
+        return self.role == "service"
+
+    def may_access(self, owner: str) -> bool:
+        """Read, write, rename or delete a conversation owned by ``owner``."""
+        return self.is_service or owner == self.user_id
+
+    def writer(self) -> str:
+        """The owner a store write must check for ("" lets a service write anywhere)."""
+        return "" if self.is_service else self.user_id
+
+
+def issue_token(secret: str, sub: str, role: Role = "user", ttl: float = 3600.0) -> str:
+    now = int(time.time())
+    claims: dict[str, object] = {"sub": sub, "iat": now, "exp": now + int(ttl)}
+    if role != "user":
+        claims["role"] = role
+    return jwt.encode(claims, secret, algorithm=ALGORITHM)
+
+
+def verify_token(secret: str, token: str | None) -> Principal:
+    if not token:
+        raise AuthError("missing token")
+    try:
+        claims = jwt.decode(
+            token, secret, algorithms=[ALGORITHM], options={"require": ["sub", "exp"]}
+        )
+    except jwt.ExpiredSignatureError:
+        raise AuthError("token expired") from None
+    except jwt.PyJWTError as exc:
+        raise AuthError(f"invalid token: {exc}") from None
+    sub, role = claims.get("sub"), claims.get("role", "user")
+    if not isinstance(sub, str) or not sub or len(sub) > 128 or ":" in sub:
+        raise AuthError("invalid token: sub must be a non-empty string without ':'")
+    if role not in ("user", "service"):
+        raise AuthError("invalid token: role must be 'user' or 'service'")
+    return Principal(user_id=sub, role=role, expires_at=float(claims["exp"]))
+
+
+def bearer(authorization: str | None, query_token: str | None) -> str | None:
+    """The token from an ``Authorization: Bearer`` header, else from ``?token=``."""
+    if authorization:
+        scheme, _, value = authorization.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+        return None
+    return query_token or None

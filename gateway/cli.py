@@ -1,0 +1,205 @@
+"""``gateway serve | token | publish | tail``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import sys
+from typing import Any
+
+import msgspec
+
+from .auth import Principal, issue_token
+from .config import ConfigError, Settings, data_path, load_settings
+
+SECRET_FILE = "secret"
+
+
+def _stored_secret(settings: Settings, create: bool) -> str:
+    path = data_path(settings) / SECRET_FILE
+    if path.exists():
+        return path.read_text().strip()
+    if not create:
+        raise ConfigError(f"GATEWAY_SECRET is not set and {path} does not exist")
+    secret = secrets.token_urlsafe(32)
+    path.touch(mode=0o600)
+    path.write_text(secret)
+    return secret
+
+
+def _secret(settings: Settings, create: bool = False) -> str:
+    return settings.secret or _stored_secret(settings, create)
+
+
+def _redis_url(settings: Settings) -> str:
+    if settings.redis_url:
+        return settings.redis_url
+    sock = data_path(settings) / "redis.sock"
+    if sock.exists():
+        return f"unix://{sock}"
+    raise ConfigError("GATEWAY_REDIS_URL is not set and no embedded server is running "
+                      f"in {data_path(settings)}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .embedded import EmbeddedRedis
+
+    settings = load_settings(redis_url=args.redis_url, data_dir=args.data_dir, host=args.host,
+                             port=args.port, dev=args.dev or None)
+    embedded = None
+    if not settings.redis_url:
+        embedded = EmbeddedRedis(data_path(settings))
+        os.environ["GATEWAY_REDIS_URL"] = embedded.start()
+        print(f"embedded server: {embedded.url} (data in {embedded.data_dir})", flush=True)
+    # The embedded default and dev mode keep a generated secret in the data dir.
+    os.environ["GATEWAY_SECRET"] = _secret(settings, create=embedded is not None or settings.dev)
+    for name in ("host", "port", "data_dir"):
+        os.environ[f"GATEWAY_{name.upper()}"] = str(getattr(settings, name))
+    if settings.dev:
+        os.environ["GATEWAY_DEV"] = "1"
+        token = issue_token(os.environ["GATEWAY_SECRET"], "dev", ttl=7 * 86400)
+        url = f"ws://{settings.host}:{settings.port}/v1/ws?token={token}"
+        print(f"dev token (user 'dev', 7 days): {token}\nconnect: {url}", flush=True)
+    try:
+        uvicorn.run(
+            "gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
+            workers=args.workers, ws="websockets-sansio", ws_max_size=settings.max_frame_bytes,
+            ws_ping_interval=settings.heartbeat, ws_ping_timeout=settings.heartbeat,
+            ws_per_message_deflate=False, log_level=args.log_level, lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    settings = load_settings(data_dir=args.data_dir)
+    print(issue_token(_secret(settings), args.sub, args.role, args.ttl))
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from .conversations import PublishEvent
+
+    try:
+        data = msgspec.json.decode(args.json)
+        event = msgspec.convert({"type": args.type, "data": data, "durable": not args.ephemeral},
+                                PublishEvent)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        print(f"invalid event: {exc}", file=sys.stderr)
+        return 2
+    settings = load_settings(data_dir=args.data_dir)
+
+    async def run() -> Any:
+        import redis.asyncio as aioredis
+
+        from .conversations import Conversations
+        from .store import Store
+
+        client = aioredis.from_url(_redis_url(settings))
+        try:
+            ops = Conversations(Store(client, settings), settings)
+            return await ops.publish(Principal("cli", "service"), args.chat, [event])
+        finally:
+            await client.aclose()
+
+    result = asyncio.run(run())
+    print(msgspec.json.encode({"epoch": result.epoch, "seqs": result.seqs}).decode())
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    import websockets
+
+    settings = load_settings(data_dir=args.data_dir)
+    token = issue_token(_secret(settings), "tail", "service", ttl=86400)
+    base = args.url or f"ws://{settings.host}:{settings.port}"
+
+    async def run() -> None:
+        async with websockets.connect(f"{base}/v1/ws?token={token}") as ws:
+            hello = msgspec.json.decode(await ws.recv())
+            assert hello["type"] == "hello", hello
+            request: dict[str, Any] = {"type": "subscribe", "chat_id": args.chat}
+            if args.since is not None:
+                epoch = args.epoch or _epoch_of(base, args.chat, token)
+                request["since"] = {"seq": args.since, "epoch": epoch}
+            await ws.send(msgspec.json.encode(request).decode())
+            async for frame in ws:
+                print(frame if isinstance(frame, str) else frame.decode(), flush=True)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _epoch_of(ws_base: str, chat_id: str, token: str) -> str:
+    """The conversation's current epoch, so ``--since`` needs only a seq."""
+    import urllib.request
+
+    url = ws_base.replace("ws", "http", 1) + f"/v1/conversations/{chat_id}"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        epoch: str = msgspec.json.decode(resp.read())["epoch"]
+    return epoch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway (embedded Redis unless one is set)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--workers", type=int, default=1)
+    serve.add_argument("--redis-url", help="overrides GATEWAY_REDIS_URL")
+    serve.add_argument("--data-dir", help="overrides GATEWAY_DATA_DIR")
+    serve.add_argument("--dev", action="store_true", help="print a token; serve the demo page")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+    token = sub.add_parser("token", help="print a signed token")
+    token.add_argument("--sub", required=True)
+    token.add_argument("--role", choices=["user", "service"], default="user")
+    token.add_argument("--ttl", type=float, default=3600.0, help="seconds")
+    token.add_argument("--data-dir")
+    token.set_defaults(func=cmd_token)
+
+    publish = sub.add_parser("publish", help="publish one event as a service")
+    publish.add_argument("chat")
+    publish.add_argument("type")
+    publish.add_argument("json", nargs="?", default="{}")
+    publish.add_argument("--ephemeral", action="store_true")
+    publish.add_argument("--data-dir")
+    publish.set_defaults(func=cmd_publish)
+
+    tail = sub.add_parser("tail", help="print a conversation's frames as they arrive")
+    tail.add_argument("chat")
+    tail.add_argument("--since", type=int, help="replay durable events after this seq")
+    tail.add_argument("--epoch", help="the epoch --since belongs to")
+    tail.add_argument("--url", help="ws://host:port of the gateway")
+    tail.add_argument("--data-dir")
+    tail.set_defaults(func=cmd_tail)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

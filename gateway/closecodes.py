@@ -1,0 +1,13 @@
+"""WebSocket close codes. ``protocol.md`` has the table; clients reconnect on ``RESUMABLE``."""
+
+UNAUTHORIZED = 4001  # missing or invalid token: terminal
+FORBIDDEN = 4003  # origin not allowed: terminal
+PROTOCOL_ABUSE = 4004  # kept sending invalid frames: terminal
+SLOW_CONSUMER = 4008  # did not read fast enough: reconnect and resume
+TOKEN_EXPIRED = 4011  # reconnect with a fresh token and resume
+TOO_MANY = 4029  # rate or connection limit: reconnect after a backoff
+SERVER_RESTART = 1012  # reconnect and resume
+BACKEND_UNAVAILABLE = 1013  # reconnect after a backoff and resume
+FRAME_TOO_BIG = 1009  # sent by the WebSocket layer for a frame over the limit
+
+RESUMABLE = frozenset({SLOW_CONSUMER, TOKEN_EXPIRED, TOO_MANY, SERVER_RESTART, BACKEND_UNAVAILABLE})

@@ -1,0 +1,93 @@
+"""Settings, read once from ``GATEWAY_*`` environment variables and validated at start."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A ``GATEWAY_*`` variable has a value the gateway cannot use."""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Every tunable of the gateway. Field ``x`` is read from ``GATEWAY_X``."""
+
+    redis_url: str = ""  # empty: the embedded default starts a private server
+    secret: str = ""  # HS256 key; dev mode generates one in the data dir
+    allowed_origins: tuple[str, ...] = ("*",)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: str = ".gateway"
+    dev: bool = False  # dev mode: prints a token, serves the demo page
+    auto_create: bool = True  # subscribe/message to an unknown chat creates it
+
+    turn_timeout: float = 300.0  # seconds before the gateway ends a silent turn
+    history_maxlen: int = 10_000  # stream entries kept per conversation (approximate trim)
+    replay_limit: int = 1000  # most events one subscribe may replay
+    buffer_max_frames: int = 1000
+    buffer_max_bytes: int = 1 << 20
+    buffer_ttl: float = 900.0
+    queue_max_bytes: int = 1 << 20  # outbound bytes per connection before 4008
+    idempotency_ttl: int = 86_400  # seconds a message/publish dedupe result is kept
+
+    max_frame_bytes: int = 64 * 1024
+    max_text_bytes: int = 32 * 1024
+    max_subscriptions: int = 256
+    max_connections_per_user: int = 32
+    rate_limit: float = 50.0  # inbound frames per second, sustained
+    rate_burst: int = 100
+    max_bad_frames: int = 20  # invalid frames in a row before 4004
+    heartbeat: float = 25.0  # WebSocket ping interval, seconds
+
+
+_ENV_PREFIX = "GATEWAY_"
+
+
+def _parse(name: str, raw: str, kind: object) -> object:
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered in {"1", "true", "yes", "on"}:
+                return True
+            if lowered in {"0", "false", "no", "off", ""}:
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        if name == "allowed_origins":
+            return tuple(o.strip() for o in raw.split(",") if o.strip())
+        return raw
+    except ValueError:
+        raise ConfigError(f"{_ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind}") from None
+
+
+def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+    """Build :class:`Settings` from the environment, then apply ``overrides``."""
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for field in msgspec.structs.fields(Settings):
+        raw = env.get(_ENV_PREFIX + field.name.upper())
+        if raw is not None:
+            values[field.name] = _parse(field.name, raw, field.type)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        settings = msgspec.convert(values, Settings)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(str(exc)) from None
+    for name in ("replay_limit", "buffer_max_frames", "buffer_max_bytes", "queue_max_bytes",
+                 "max_frame_bytes", "max_subscriptions", "max_connections_per_user"):
+        if getattr(settings, name) <= 0:
+            raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
+    return settings
+
+
+def data_path(settings: Settings) -> Path:
+    path = Path(settings.data_dir).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    return path

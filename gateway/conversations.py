@@ -1,0 +1,160 @@
+"""What can be done to a conversation, whoever asks: the WebSocket, the HTTP API, the CLI.
+
+Turns agent- and user-facing requests into validated :class:`OutEvent` batches for the
+store, and runs the sweeper that ends turns nobody ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import Annotated, Any
+
+import msgspec
+from redis.exceptions import RedisError
+
+from . import protocol as p
+from .auth import Principal
+from .config import Settings
+from .errors import Rejected
+from .store import OutEvent, Published, Store
+
+log = logging.getLogger("gateway.conversations")
+
+_encode = msgspec.json.encode
+PREVIEW_CHARS = 120
+TITLE_MAX = 200
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class PublishEvent(msgspec.Struct, frozen=True):
+    """One event as an agent or service publishes it."""
+
+    type: p.EventType
+    data: dict[str, Any] = {}
+    durable: bool = True
+    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
+
+
+class PublishBatch(msgspec.Struct, frozen=True):
+    events: Annotated[list[PublishEvent], msgspec.Meta(min_length=1, max_length=500)]
+    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
+
+
+def clean_title(raw: str) -> str:
+    title = " ".join(raw.split())
+    if not 1 <= len(title) <= TITLE_MAX:
+        raise Rejected("invalid_request", f"title must be 1-{TITLE_MAX} characters after trimming")
+    return title
+
+
+def to_out_event(event: PublishEvent) -> OutEvent:
+    """Validate an agent event; complete the ones whose meaning the gateway owns."""
+    kind = event.type
+    if kind in p.GATEWAY_ONLY_TYPES:
+        raise Rejected("reserved_type", f"event type {kind!r} is reserved for the gateway")
+    try:
+        if kind == "turn_end":
+            end = msgspec.convert(event.data, p.TurnEndData)
+            body = _encode({"reason": end.reason, "usage": end.usage})
+            return OutEvent(kind, body, True, end.turn_id or "")
+        if kind == "goal_state":
+            goal = msgspec.convert(event.data, p.GoalState)
+            if goal.updated_at is None:
+                goal.updated_at = now_ms()
+            return OutEvent(kind, _encode(goal), True)
+        if kind == "title":
+            title = msgspec.convert(event.data, p.TitleData)
+            return OutEvent(kind, clean_title(title.title).encode(), True, title.source)
+    except msgspec.ValidationError as exc:
+        raise Rejected("invalid_request", f"{kind}: {exc}") from None
+    return OutEvent(kind, _encode(event.data), event.durable)
+
+
+class Conversations:
+    """Conversation operations on top of the store."""
+
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.store = store
+        self.settings = settings
+
+    async def post_message(self, who: Principal, req: p.Message) -> p.Ack:
+        """Append the user's message and start a turn; a retried ``client_msg_id`` is a no-op."""
+        if len(req.text.encode()) > self.settings.max_text_bytes:
+            raise Rejected("text_too_long", f"text is over {self.settings.max_text_bytes} bytes")
+        turn_id = "t_" + secrets.token_hex(8)
+        data: dict[str, Any] = {"text": req.text, "client_msg_id": req.client_msg_id,
+                                "user_id": who.user_id}
+        if req.data is not None:
+            data["data"] = req.data
+        preview = " ".join(req.text.split())[:PREVIEW_CHARS]
+        result = await self.store.publish(
+            req.chat_id,
+            [OutEvent("user_message", _encode(data), True, preview),
+             OutEvent("turn_start", b"{}", True, turn_id)],
+            create_owner=who.user_id if self.settings.auto_create else "",
+            idempotency_key=f"m:{who.user_id}:{req.client_msg_id}",
+            note=turn_id,
+            writer=who.writer(),
+        )
+        if not result.duplicate:
+            deadline = result.ts + int(self.settings.turn_timeout * 1000)
+            await self.store.track_turn(req.chat_id, turn_id, deadline)
+        return p.Ack(req.chat_id, result.seqs[0], req.id, req.client_msg_id, result.note,
+                     result.duplicate)
+
+    async def cancel(self, who: Principal, req: p.Cancel) -> p.Ack:
+        result = await self.store.publish(
+            req.chat_id, [OutEvent("cancel_requested", b"{}", True, req.turn_id or "")],
+            writer=who.writer(),
+        )
+        return p.Ack(req.chat_id, result.seqs[0], req.id, turn_id=req.turn_id)
+
+    async def publish(self, who: Principal, chat_id: str, events: list[PublishEvent],
+                      idempotency_key: str | None = None) -> Published:
+        out = [to_out_event(e) for e in events]
+        return await self.store.publish(
+            chat_id, out, idempotency_key=f"p:{idempotency_key}" if idempotency_key else None,
+            writer=who.writer(),
+        )
+
+    async def create(self, who: Principal, chat_id: str, title: str | None) -> Published:
+        events = []
+        if title is not None:
+            events.append(OutEvent("title", clean_title(title).encode(), True, "user"))
+        return await self.store.publish(chat_id, events, create_owner=who.user_id,
+                                        writer=who.writer())
+
+    async def rename(self, who: Principal, chat_id: str, title: str) -> Published:
+        return await self.store.publish(
+            chat_id, [OutEvent("title", clean_title(title).encode(), True, "user")],
+            writer=who.writer(),
+        )
+
+    async def end_overdue_turns(self) -> int:
+        """End every turn past its deadline with ``reason: timeout``; returns how many."""
+        ended = 0
+        for chat_id, turn_id in await self.store.due_turns(now_ms()):
+            try:
+                await self.store.publish(
+                    chat_id, [OutEvent("turn_end", b'{"reason":"timeout"}', True, turn_id)]
+                )
+                ended += 1
+            except Rejected:
+                pass  # already ended, or the conversation is gone
+            await self.store.untrack_turn(chat_id, turn_id)
+        return ended
+
+    async def run_turn_sweeper(self) -> None:
+        interval = min(1.0, max(0.05, self.settings.turn_timeout / 4))
+        while True:
+            try:
+                await self.end_overdue_turns()
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("turn sweeper: %s", exc)
+            await asyncio.sleep(interval)

