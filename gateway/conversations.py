@@ -105,15 +105,15 @@ class Conversations:
         if not result.duplicate:
             deadline = result.ts + int(self.settings.turn_timeout * 1000)
             await self.store.track_turn(req.chat_id, turn_id, deadline)
-        return p.Ack(req.chat_id, result.seqs[0], req.id, req.client_msg_id, result.note,
-                     result.duplicate)
+        return p.Ack(req.chat_id, result.seqs[0], req.client_msg_id, result.note,
+                     result.duplicate, req.id)
 
     async def cancel(self, who: Principal, req: p.Cancel) -> p.Ack:
         result = await self.store.publish(
             req.chat_id, [OutEvent("cancel_requested", b"{}", True, req.turn_id or "")],
             writer=who.writer(),
         )
-        return p.Ack(req.chat_id, result.seqs[0], req.id, turn_id=req.turn_id)
+        return p.Ack(req.chat_id, result.seqs[0], None, req.turn_id, False, req.id)
 
     async def publish(self, who: Principal, chat_id: str, events: list[PublishEvent],
                       idempotency_key: str | None = None) -> Published:

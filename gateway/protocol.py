@@ -117,7 +117,7 @@ class Snapshot(msgspec.Struct):
     goal_state: msgspec.Raw | None
 
 
-class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type"):
+class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):
     chat_id: str
     epoch: str
     seq: int
@@ -129,26 +129,26 @@ class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type"):
     overflowed: bool | None = None
 
 
-class Unsubscribed(msgspec.Struct, tag="unsubscribed", tag_field="type"):
+class Unsubscribed(msgspec.Struct, tag="unsubscribed", tag_field="type", omit_defaults=True):
     chat_id: str
     id: RequestId | None = None
 
 
-class Left(msgspec.Struct, tag="left", tag_field="type"):
+class Left(msgspec.Struct, tag="left", tag_field="type", omit_defaults=True):
     chat_id: str
     id: RequestId | None = None
 
 
-class Ack(msgspec.Struct, tag="ack", tag_field="type"):
+class Ack(msgspec.Struct, tag="ack", tag_field="type", omit_defaults=True):
     chat_id: str
     seq: int | None
+    client_msg_id: str | None
+    turn_id: str | None
+    duplicate: bool
     id: RequestId | None = None
-    client_msg_id: str | None = None
-    turn_id: str | None = None
-    duplicate: bool = False
 
 
-class Pong(msgspec.Struct, tag="pong", tag_field="type"):
+class Pong(msgspec.Struct, tag="pong", tag_field="type", omit_defaults=True):
     ts: int
     id: RequestId | None = None
 

@@ -1,0 +1,121 @@
+"""Multiplexing, live delivery, replay after reconnect, and recovery failures."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from .wsclient import connect
+
+pytestmark = pytest.mark.anyio
+
+
+async def publish(gw: Any, chat_id: str, *events: dict[str, Any], key: str | None = None) -> Any:
+    body: dict[str, Any] = {"events": list(events)}
+    if key:
+        body["idempotency_key"] = key
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        resp = await http.post(f"/v1/conversations/{chat_id}/events", json=body,
+                               headers=gw.headers("agent", "service"))
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+async def test_several_chats_multiplex_on_one_socket(gateway: Any, user: str) -> None:
+    chats = [f"{user}-a", f"{user}-b", f"{user}-c"]
+    async with connect(gateway.url(user)) as ws:
+        for chat in chats:
+            sub = await ws.subscribe(chat)
+            assert sub["seq"] == 0 and sub["recovered"] is True
+        for i, chat in enumerate(chats):
+            await publish(gateway, chat, {"type": "message", "data": {"n": i}})
+        got = {}
+        for _ in chats:
+            frame = await ws.wait_for(lambda f: f["type"] == "message")
+            got[frame["chat_id"]] = frame
+        assert {c: f["data"]["n"] for c, f in got.items()} == {c: i for i, c in enumerate(chats)}
+        assert all(f["seq"] == 1 for f in got.values())
+
+
+async def test_reconnect_replays_exactly_what_was_missed_while_publishing(
+    gateway: Any, user: str, chat_id: str
+) -> None:
+    stop = asyncio.Event()
+    published: list[int] = []
+
+    async def publisher() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            result = await publish(gateway, chat_id, {"type": "delta2", "data": {"n": n}})
+            published.extend(result["seqs"])
+            await asyncio.sleep(0)
+
+    async with connect(gateway.url(user)) as ws:
+        sub = await ws.subscribe(chat_id)
+        epoch = sub["epoch"]
+        task = asyncio.create_task(publisher())
+        first = await ws.events(chat_id, 5)
+    seen = [f["seq"] for f in first]
+    # Disconnected; the publisher keeps going.
+    while len(published) < seen[-1] + 20:
+        await asyncio.sleep(0.01)
+    async with connect(gateway.url(user)) as ws:
+        sub = await ws.subscribe(chat_id, since={"seq": seen[-1], "epoch": epoch})
+        assert sub["recovered"] is True and sub["epoch"] == epoch
+        missed = sub["seq"] - seen[-1]
+        assert sub["replayed"] == missed >= 20
+        while len(published) < sub["seq"] + 20:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await task
+        total = published[-1]
+        rest = await ws.events(chat_id, total - seen[-1])
+    seqs = seen + [f["seq"] for f in rest]
+    assert seqs == list(range(1, total + 1))  # gapless, ordered, no duplicate
+
+
+async def test_recovery_fails_explicitly_on_changed_epoch(gateway: Any, user: str,
+                                                          chat_id: str) -> None:
+    async with connect(gateway.url(user)) as ws:
+        sub = await ws.subscribe(chat_id)
+        await publish(gateway, chat_id, {"type": "note", "data": {}})
+        await ws.events(chat_id, 1)
+    async with connect(gateway.url(user)) as ws:
+        sub = await ws.subscribe(chat_id, since={"seq": 0, "epoch": "not-" + sub["epoch"]})
+        assert sub["recovered"] is False and sub["replayed"] == 0
+        await publish(gateway, chat_id, {"type": "note", "data": {"live": True}})
+        frame = await ws.recv()
+        assert frame["seq"] == 2 and frame["data"] == {"live": True}  # nothing replayed
+
+
+async def test_recovery_fails_explicitly_on_trimmed_history(start_gateway: Any, user: str,
+                                                            chat_id: str) -> None:
+    gw = start_gateway(history_maxlen=5)
+    async with connect(gw.url(user)) as ws:
+        sub = await ws.subscribe(chat_id)
+    for i in range(300):  # approximate trimming needs a few hundred entries to bite
+        await publish(gw, chat_id, {"type": "note", "data": {"i": i}})
+    async with connect(gw.url(user)) as ws:
+        sub = await ws.subscribe(chat_id, since={"seq": 0, "epoch": sub["epoch"]})
+        assert sub["seq"] == 300
+        assert sub["recovered"] is False and sub["replayed"] == 0
+        await publish(gw, chat_id, {"type": "note", "data": {"live": True}})
+        assert (await ws.recv())["seq"] == 301
+
+
+async def test_replay_over_the_cap_is_not_recovered(start_gateway: Any, user: str,
+                                                    chat_id: str) -> None:
+    gw = start_gateway(replay_limit=3)
+    async with connect(gw.url(user)) as ws:
+        sub = await ws.subscribe(chat_id)
+    await publish(gw, chat_id, *({"type": "note", "data": {}} for _ in range(4)))
+    async with connect(gw.url(user)) as ws:
+        again = await ws.subscribe(chat_id, since={"seq": 0, "epoch": sub["epoch"]})
+        assert again["recovered"] is False and again["replayed"] == 0
+        ok = await ws.subscribe(chat_id, since={"seq": 1, "epoch": sub["epoch"]})
+        assert ok["recovered"] is True and ok["replayed"] == 3
+        assert [f["seq"] for f in await ws.events(chat_id, 3)] == [2, 3, 4]
