@@ -42,6 +42,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     rate_burst: int = 100
     max_bad_frames: int = 20  # invalid frames in a row before 4004
     heartbeat: float = 25.0  # WebSocket ping interval, seconds
+    inbox_partitions: int = 8  # agent inbox streams; a chat always maps to the same one
+    inbox_maxlen: int = 100_000  # entries kept per inbox partition (approximate trim)
 
 
 _ENV_PREFIX = "GATEWAY_"
@@ -81,7 +83,8 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
     for name in ("replay_limit", "buffer_max_frames", "buffer_max_bytes", "queue_max_bytes",
-                 "max_frame_bytes", "max_subscriptions", "max_connections_per_user"):
+                 "max_frame_bytes", "max_subscriptions", "max_connections_per_user",
+                 "inbox_partitions"):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
     return settings

@@ -104,7 +104,14 @@ class Conversations:
         )
         if not result.duplicate:
             deadline = result.ts + int(self.settings.turn_timeout * 1000)
-            await self.store.track_turn(req.chat_id, turn_id, deadline)
+            seq = result.seqs[0]
+            await self.store.turn_started(req.chat_id, turn_id, deadline, {
+                "kind": "message", "chat_id": req.chat_id, "turn_id": turn_id,
+                "seq": str(seq), "user_id": who.user_id, "text": req.text,
+                "client_msg_id": req.client_msg_id,
+                "data": _encode(req.data).decode() if req.data is not None else "",
+                "started_at": str(result.ts),
+            })
         return p.Ack(req.chat_id, result.seqs[0], req.client_msg_id, result.note,
                      result.duplicate, req.id)
 
@@ -113,7 +120,11 @@ class Conversations:
             req.chat_id, [OutEvent("cancel_requested", b"{}", True, req.turn_id or "")],
             writer=who.writer(),
         )
-        return p.Ack(req.chat_id, result.seqs[0], None, req.turn_id, False, req.id)
+        await self.store.to_inbox(req.chat_id, {
+            "kind": "cancel", "chat_id": req.chat_id, "turn_id": result.note,
+            "seq": str(result.seqs[0]), "user_id": who.user_id,
+        })
+        return p.Ack(req.chat_id, result.seqs[0], None, result.note, False, req.id)
 
     async def publish(self, who: Principal, chat_id: str, events: list[PublishEvent],
                       idempotency_key: str | None = None) -> Published:

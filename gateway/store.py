@@ -10,11 +10,13 @@ cluster slot. Key layout::
     feed:<user>          pub/sub channel of a user's conversation feed
     convs:<user>         sorted set: the user's conversations by last change
     turns:deadlines      sorted set: running turns by timeout deadline ("chat turn_id")
+    inbox:{<n>}          agent inbox partition n: messages and cancels, read by consumer groups
 """
 
 from __future__ import annotations
 
 import secrets
+import zlib
 from importlib import resources
 from typing import Any
 
@@ -46,6 +48,15 @@ def room_channel(chat_id: str) -> str:
 
 def feed_channel(user_id: str) -> str:
     return FEED_PREFIX + user_id
+
+
+def inbox_key(partition: int) -> str:
+    return f"inbox:{{{partition}}}"
+
+
+def inbox_partition(chat_id: str, partitions: int) -> int:
+    """Stable across processes and restarts, so one chat's entries stay in one ordered stream."""
+    return zlib.crc32(chat_id.encode()) % partitions
 
 
 def index_key(user_id: str) -> str:
@@ -225,8 +236,20 @@ class Store:
                 found.append((chat.decode(), meta))
         return found
 
-    async def track_turn(self, chat_id: str, turn_id: str, deadline_ms: int) -> None:
-        await self.redis.zadd(TURN_DEADLINES, {f"{chat_id} {turn_id}": deadline_ms})
+    async def turn_started(self, chat_id: str, turn_id: str, deadline_ms: int,
+                           inbox_entry: dict[str, str]) -> None:
+        """Arm the turn's timeout and hand the message to the agents, in one round trip."""
+        partition = inbox_partition(chat_id, self.settings.inbox_partitions)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(TURN_DEADLINES, {f"{chat_id} {turn_id}": deadline_ms})
+            pipe.xadd(inbox_key(partition), inbox_entry,  # type: ignore[arg-type]
+                      maxlen=self.settings.inbox_maxlen, approximate=True)
+            await pipe.execute()
+
+    async def to_inbox(self, chat_id: str, entry: dict[str, str]) -> None:
+        partition = inbox_partition(chat_id, self.settings.inbox_partitions)
+        await self.redis.xadd(inbox_key(partition), entry,  # type: ignore[arg-type]
+                              maxlen=self.settings.inbox_maxlen, approximate=True)
 
     async def due_turns(self, now_ms: int, limit: int = 100) -> list[tuple[str, str]]:
         rows: list[Any] = await self.redis.zrangebyscore(

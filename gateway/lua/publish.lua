@@ -6,7 +6,8 @@
 -- ARGV[5] owner to create the conversation for when it does not exist ("" = must exist)
 -- ARGV[6] epoch for a newly created conversation
 -- ARGV[7] chat id             ARGV[8] number of events
--- ARGV[9] note: returned as is, and again on an idempotent retry (the message's turn id)
+-- ARGV[9] note: returned as is, and again on an idempotent retry (the message's turn id);
+--         a cancel_requested sets it to the cancelled turn's id
 -- ARGV[10] writer: the user who must own the conversation ("" = anyone, e.g. a service)
 -- then 4 per event: type, durable ("1"/"0"), data (JSON, or raw text for title), extra
 --
@@ -29,6 +30,7 @@ local idem = KEYS[3]
 local channel, chat = ARGV[1], ARGV[7]
 local maxlen = tonumber(ARGV[3])
 local n = tonumber(ARGV[8])
+local note = ARGV[9]
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -95,6 +97,7 @@ for i = 0, n - 1 do
     feed = true
   elseif typ == 'cancel_requested' then
     data = '{"turn_id":' .. cjson.encode(m.turn_id) .. '}'
+    note = m.turn_id
   elseif typ == 'goal_state' then
     m.goal = data
     feed = true
@@ -139,7 +142,7 @@ if feed then
 end
 
 local result = {'ok', m.epoch, table.concat(seqs, ','), tostring(seq), m.owner, '0',
-                tostring(now), feed and '1' or '0', ARGV[9]}
+                tostring(now), feed and '1' or '0', note}
 if idem then
   redis.call('SET', idem, cjson.encode(result), 'EX', tonumber(ARGV[4]))
 end
