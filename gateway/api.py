@@ -165,11 +165,10 @@ async def create_conversation(request: Request) -> Response:
 async def list_conversations(request: Request) -> Response:
     who = _principal(request)
     page = _query(request, PageQuery)
-    rows = await _gateway(request).store.conversations(who.user_id, page.cursor, page.limit)
+    rows, next_cursor = await _gateway(request).store.conversations(
+        who.user_id, page.cursor, page.limit
+    )
     items = [conversation_view(chat_id, meta) for chat_id, meta in rows]
-    next_cursor = None
-    if len(rows) == page.limit:
-        next_cursor = rows[-1][1].updated_at
     return JSONResponse({"conversations": items, "next_cursor": next_cursor})
 
 
@@ -257,4 +256,5 @@ routes = [
     Route("/v1/conversations/{chat_id}", delete_conversation, methods=["DELETE"]),
     Route("/v1/conversations/{chat_id}/events", publish_events, methods=["POST"]),
     Route("/v1/conversations/{chat_id}/events", history, methods=["GET"]),
+    Route("/v1/conversations/{chat_id}/stream", __import__("gateway.sse").sse.stream),
 ]

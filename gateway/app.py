@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
-from . import api
+from . import api, web
 from . import protocol as p
 from .auth import AuthError, bearer, verify_token
 from .closecodes import FORBIDDEN, SERVER_RESTART, TOO_MANY, UNAUTHORIZED
@@ -24,6 +24,8 @@ from .session import Session
 from .store import Store
 
 log = logging.getLogger("gateway")
+
+REDIS_MAX_CONNECTIONS = 100  # per process, the pub/sub connection included
 
 
 class Gateway:
@@ -36,8 +38,14 @@ class Gateway:
         if not settings.secret:
             raise ConfigError("GATEWAY_SECRET is not set (`gateway serve --dev` makes one)")
         self.settings = settings
-        self.redis = aioredis.from_url(settings.redis_url, decode_responses=False,
-                                       health_check_interval=30)
+        # redis-py's default pool raises MaxConnectionsError once 100 commands are in flight
+        # (e.g. a burst of subscribes after a restart), which would close those sessions with
+        # 1013. A blocking pool makes the burst wait for a free connection instead.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS, timeout=10,
+            decode_responses=False, health_check_interval=30,
+        )
+        self.redis = aioredis.Redis.from_pool(pool)
         self.store = Store(self.redis, settings)
         self.hub = Hub(self.redis, self.store)
         self.conversations = Conversations(self.store, settings)
@@ -110,7 +118,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     handlers: Any = api.exception_handlers
     app = Starlette(
-        routes=[*api.routes, WebSocketRoute("/v1/ws", websocket_endpoint)],
+        routes=[*api.routes, WebSocketRoute("/v1/ws", websocket_endpoint),
+                *web.web_routes(settings.dev)],
         exception_handlers=handlers,
         lifespan=lifespan,
     )

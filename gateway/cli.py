@@ -1,4 +1,4 @@
-"""``gateway serve | token | publish | tail``."""
+"""``gateway serve | token | publish | tail | agent``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import secrets
+import signal
 import sys
 from typing import Any
 
@@ -43,6 +44,10 @@ def _redis_url(settings: Settings) -> str:
                       f"in {data_path(settings)}")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -64,6 +69,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         token = issue_token(os.environ["GATEWAY_SECRET"], "dev", ttl=7 * 86400)
         url = f"ws://{settings.host}:{settings.port}/v1/ws?token={token}"
         print(f"dev token (user 'dev', 7 days): {token}\nconnect: {url}", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal with the handler it
+    # found installed: with the default one the process would die right there, skipping the
+    # ``finally`` below that stops (and waits for) the embedded server. Exit cleanly instead.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         uvicorn.run(
             "gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
@@ -115,29 +124,63 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    import websockets
+    import logging
 
+    from .client import GatewayClient, GatewayError
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="gateway tail: %(message)s")
     settings = load_settings(data_dir=args.data_dir)
-    token = issue_token(_secret(settings), "tail", "service", ttl=86400)
-    base = args.url or f"ws://{settings.host}:{settings.port}"
+    secret = _secret(settings)
+    base = (args.url or f"ws://{settings.host}:{settings.port}").rstrip("/")
+    base = base.removesuffix("/v1/ws")
+
+    def token() -> str:
+        return issue_token(secret, "tail", "service", ttl=3600)
+
+    def emit(frame: Any) -> None:
+        print(msgspec.json.encode(frame).decode(), flush=True)
 
     async def run() -> None:
-        async with websockets.connect(f"{base}/v1/ws?token={token}") as ws:
-            hello = msgspec.json.decode(await ws.recv())
-            assert hello["type"] == "hello", hello
-            request: dict[str, Any] = {"type": "subscribe", "chat_id": args.chat}
+        # A fresh token for every (re)connect; the SDK resumes with since after a drop.
+        async with GatewayClient(base, token_factory=token) as client:
+            seq = epoch = None
             if args.since is not None:
-                epoch = args.epoch or _epoch_of(base, args.chat, token)
-                request["since"] = {"seq": args.since, "epoch": epoch}
-            await ws.send(msgspec.json.encode(request).decode())
-            async for frame in ws:
-                print(frame if isinstance(frame, str) else frame.decode(), flush=True)
+                seq = args.since
+                epoch = args.epoch or await asyncio.to_thread(_epoch_of, base, args.chat,
+                                                              token())
+            emit((await client.subscribe(args.chat, seq=seq, epoch=epoch)).frame)
+            async for item in client.events(args.chat):
+                # Events as received; a broken resume (a Recovery item) as the subscribed
+                # frame that said recovered: false.
+                emit(item.frame)
 
     try:
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
+    except GatewayError as exc:
+        print(f"gateway tail: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    import logging
+
+    from .agent import load_handler, serve
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = load_settings(redis_url=args.redis_url, data_dir=args.data_dir)
+    try:
+        handler = load_handler(args.handler)
+    except (ImportError, AttributeError, ValueError) as exc:
+        print(f"gateway agent: cannot load {args.handler}: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(
+        handler, _redis_url(settings), settings, group=args.group, consumer=args.consumer,
+        concurrency=args.concurrency, claim_idle=args.claim_idle, start_id=args.start_id))
 
 
 def _epoch_of(ws_base: str, chat_id: str, token: str) -> str:
@@ -187,6 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--url", help="ws://host:port of the gateway")
     tail.add_argument("--data-dir")
     tail.set_defaults(func=cmd_tail)
+
+    agent = sub.add_parser("agent", help="run an agent worker: MODULE:HANDLER per turn")
+    agent.add_argument("handler", help="async handler, e.g. gateway.demo_agent:handle")
+    agent.add_argument("--group", default="agents", help="consumer group (default: agents)")
+    agent.add_argument("--consumer", help="consumer name (default: host-pid-random)")
+    agent.add_argument("--concurrency", type=int, default=16, help="turns run at once")
+    agent.add_argument("--claim-idle", type=float, default=30.0,
+                       help="seconds before another worker's stalled entry is taken over")
+    agent.add_argument("--start-id", default="0",
+                       help="where a new group starts: 0 (all of the inbox) or $ (new only)")
+    agent.add_argument("--redis-url", help="overrides GATEWAY_REDIS_URL")
+    agent.add_argument("--data-dir", help="overrides GATEWAY_DATA_DIR")
+    agent.add_argument("--log-level", default="info")
+    agent.set_defaults(func=cmd_agent)
     return parser
 
 

@@ -72,7 +72,8 @@ class Member(Protocol):
 class Room:
     """The local members of one conversation and the position this process has reached."""
 
-    __slots__ = ("backlog", "channel", "chat_id", "epoch", "last_seq", "members", "repairing")
+    __slots__ = ("backlog", "channel", "chat_id", "epoch", "last_seq", "members", "repairing",
+                 "unread_max")
 
     def __init__(self, chat_id: str) -> None:
         self.chat_id = chat_id
@@ -80,6 +81,7 @@ class Room:
         self.members: dict[Member, None] = {}
         self.epoch: str | None = None
         self.last_seq: int | None = None  # None until a member's first read tells us
+        self.unread_max = 0  # highest seq fanned out while last_seq was still None
         self.repairing = False
         self.backlog: list[tuple[str, int | None, Frame]] = []
 
@@ -154,11 +156,14 @@ class Hub:
             self._spawn(self._unsubscribe(channel))
 
     def observe(self, room: Room, epoch: str, seq: int) -> None:
-        """Record the position a member's read established, if the room has none yet."""
-        if room.epoch != epoch:
+        """Record the position a member's read established, if the room has none yet.
+
+        Frames fanned out before the first read count too: they may be newer than it.
+        """
+        if room.last_seq is None:
+            room.epoch, room.last_seq = epoch, max(seq, room.unread_max)
+        elif room.epoch != epoch:
             room.epoch, room.last_seq = epoch, seq
-        elif room.last_seq is None or seq > room.last_seq:
-            room.last_seq = seq
 
     # --- feeds ------------------------------------------------------------------------
 
@@ -262,6 +267,7 @@ class Hub:
                 room.epoch, room.last_seq = None, 0
             return
         if room.last_seq is None:  # no member has read yet: they merge by seq themselves
+            room.unread_max = max(room.unread_max, seq)
             room.fan_out(frame)
             return
         if epoch != room.epoch:  # the conversation was recreated

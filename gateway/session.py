@@ -85,6 +85,7 @@ class Session:
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+        self._closer: asyncio.Task[None] | None = None
         self._closing = False
         self._tokens = float(self.settings.rate_burst)
         self._refilled = time.monotonic()
@@ -122,6 +123,11 @@ class Session:
             self.gateway.hub.leave_feed(self.principal.user_id, self)
             if self._writer is not None:
                 self._writer.cancel()
+            if self._closer is not None:
+                # The server drops the socket as soon as this returns: let the close frame
+                # (e.g. 1013 after a backend failure) leave first.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(self._closer), timeout=5)
 
     def close(self, code: int, reason: str = "") -> None:
         """Close the connection now, dropping whatever is still queued."""
@@ -132,11 +138,14 @@ class Session:
         self._queued_bytes = 0
         if self._writer is not None:
             self._writer.cancel()
-        asyncio.get_running_loop().create_task(self._send_close(code, reason))
+        self._closer = asyncio.get_running_loop().create_task(self._send_close(code, reason))
 
     async def _send_close(self, code: int, reason: str) -> None:
+        # No timeout: the close frame of a peer that stopped reading (4008) can only leave
+        # once it drains what is already in flight. Giving up would leave that peer on a
+        # silent connection that never closes; if the peer goes away, the send fails.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ws.close(code, reason), timeout=5)
+            await self.ws.close(code, reason)
 
     # --- outbound ---------------------------------------------------------------------
 
@@ -291,7 +300,8 @@ class Session:
             self._drop(chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
-        self._send(p.Subscribed(chat_id, meta.epoch, meta.seq, True, 0, _snapshot(meta), req.id))
+        self._send(p.Subscribed(chat_id, meta.epoch, meta.seq, True, 0,
+                                _snapshot(meta, self.codec.binary), req.id))
 
     def _reset_to_syncing(self, sub: Subscription) -> None:
         sub.state = State.SYNCING
@@ -327,8 +337,8 @@ class Session:
             self.gateway.hub.observe(room, meta.epoch, meta.seq)
         plan = plan_replay(since, meta.epoch, meta.seq, history.frames, self.settings.replay_limit)
         self._send(p.Subscribed(
-            chat_id, meta.epoch, meta.seq, plan.recovered, len(plan.frames), _snapshot(meta),
-            req.id, overflowed=overflowed,
+            chat_id, meta.epoch, meta.seq, plan.recovered, len(plan.frames),
+            _snapshot(meta, self.codec.binary), req.id, overflowed=overflowed,
         ))
         await self._send_paced([Frame(json, seq) for seq, json in plan.frames])
         last = meta.seq
@@ -345,22 +355,28 @@ class Session:
         sub.state, sub.epoch, sub.last_seq = State.LIVE, meta.epoch, last
 
     async def _drain_buffer(self, req: p.Subscribe, sub: Subscription) -> None:
+        """Send the intact buffer, then go live. The buffer's bounds stop applying now:
+        frames arriving while we read the state queue behind it instead."""
+        sub.state = State.SYNCING
+        sub.pending = list(sub.buffer)
+        sub.buffer.clear()
+        sub.buffer_bytes = 0
         meta = await self.gateway.store.meta(req.chat_id)
         if meta is None:
             self._drop(req.chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
-        self._send(p.Subscribed(req.chat_id, meta.epoch, meta.seq, True, 0, _snapshot(meta),
-                                req.id, buffered=len(sub.buffer), overflowed=False))
-        while sub.buffer:
-            frames = list(sub.buffer)
-            sub.buffer.clear()
-            sub.buffer_bytes = 0
+        self._send(p.Subscribed(req.chat_id, meta.epoch, meta.seq, True, 0,
+                                _snapshot(meta, self.codec.binary), req.id,
+                                buffered=len(sub.pending), overflowed=False))
+        while sub.pending:
+            frames, sub.pending = sub.pending, []
             for frame in frames:
                 if frame.seq is not None:
                     sub.last_seq = frame.seq
             await self._send_paced(frames)
-        sub.state = State.LIVE
+        if self.subs.get(req.chat_id) is sub:
+            sub.state = State.LIVE
 
     def _unsubscribe(self, req: p.Unsubscribe) -> None:
         sub = self.subs.get(req.chat_id)
@@ -386,6 +402,8 @@ class Session:
         state = sub.state
         if state is State.LIVE:
             if frame.seq is not None:
+                if frame.seq <= sub.last_seq:
+                    return  # already sent (a replay overlapped a gap repair)
                 sub.last_seq = frame.seq
             self._send_frame(frame)
         elif state is State.SYNCING:
@@ -414,14 +432,23 @@ class Session:
         self._send(await self.gateway.conversations.cancel(self.principal, req))
 
 
-def _snapshot(meta: Meta) -> p.Snapshot:
+def _snapshot(meta: Meta, binary: bool) -> p.Snapshot:
+    goal = None
+    if meta.goal:
+        # The goal is stored as JSON; a Raw is spliced into the output as is, so a
+        # MessagePack frame needs it re-encoded as MessagePack.
+        goal = msgspec.Raw(_to_msgpack(meta.goal) if binary else meta.goal)
     return p.Snapshot(
         title=meta.title,
         status="running" if meta.status == "running" else "idle",
         turn_id=meta.turn_id,
         started_at=meta.started_at,
-        goal_state=msgspec.Raw(meta.goal) if meta.goal else None,
+        goal_state=goal,
     )
+
+
+def _to_msgpack(json: bytes) -> bytes:
+    return msgspec.msgpack.encode(msgspec.json.decode(json))
 
 
 def _echo(value: Any) -> Any:

@@ -217,24 +217,43 @@ class Store:
 
     async def conversations(
         self, user_id: str, before: int | None, limit: int
-    ) -> list[tuple[str, Meta]]:
-        """The user's conversations, newest change first, strictly older than ``before``."""
+    ) -> tuple[list[tuple[str, Meta]], int | None]:
+        """The user's conversations, newest change first, strictly older than ``before``,
+        and the cursor of the next page (None after the last one).
+
+        The cursor is the last row's change time (its score, not ``updated_at``, which
+        events that do not reorder the list also move). A page never splits conversations
+        changed in the same millisecond, so it may hold more than ``limit``: the next page
+        starts strictly older and would skip the rest of them.
+        """
+        key = index_key(user_id)
         top = f"({before}" if before is not None else "+inf"
         rows: list[Any] = await self.redis.zrevrangebyscore(
-            index_key(user_id), top, "-inf", start=0, num=limit
+            key, top, "-inf", start=0, num=limit + 1, withscores=True
         )
+        next_cursor = None
+        if len(rows) > limit:
+            last = rows[limit - 1][1]
+            if rows[limit][1] == last:
+                tied: list[Any] = await self.redis.zrevrangebyscore(key, last, last)
+                rows = [r for r in rows[:limit] if r[1] != last] + [(c, last) for c in tied]
+                if await self.redis.zcount(key, "-inf", f"({int(last)}"):
+                    next_cursor = int(last)
+            else:
+                rows = rows[:limit]
+                next_cursor = int(last)
         if not rows:
-            return []
+            return [], None
         async with self.redis.pipeline(transaction=False) as pipe:
-            for chat in rows:
+            for chat, _ in rows:
                 pipe.hgetall(meta_key(chat.decode()))
             metas = await pipe.execute()
         found = []
-        for chat, raw in zip(rows, metas, strict=True):
+        for (chat, _), raw in zip(rows, metas, strict=True):
             meta = Meta.from_hash(raw)
             if meta is not None:
                 found.append((chat.decode(), meta))
-        return found
+        return found, next_cursor
 
     async def turn_started(self, chat_id: str, turn_id: str, deadline_ms: int,
                            inbox_entry: dict[str, str]) -> None:

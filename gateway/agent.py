@@ -1,0 +1,616 @@
+"""Agent workers: read the agent inbox, run a handler per turn, publish its events.
+
+Every accepted ``message`` appends an entry to the inbox stream of its chat's partition
+(``inbox:{n}``, see :mod:`gateway.store`); a ``cancel`` appends a ``kind=cancel`` entry to
+the same stream. An :class:`AgentWorker` reads every partition through a consumer group, so
+any number of workers (in any number of processes) share the work, and runs the user's
+handler for each ``message``::
+
+    async def handle(turn: Turn) -> None:
+        await turn.delta("Hel")
+        await turn.delta("lo")
+        await turn.message("Hello")
+        await turn.end()          # optional: the worker ends the turn if the handler did not
+
+Delivery is at least once. An entry is XACKed only after its handler finished (and the turn
+was ended); entries a crashed worker left pending are taken over with XAUTOCLAIM once idle
+for ``claim_idle`` seconds, and a running worker keeps its own entries fresh so they are not
+taken from it. A redelivered turn runs the handler again, but every durable event a
+:class:`Turn` publishes carries an idempotency key derived from the turn (its id, the event
+type and how many events of that type the turn published before), so the conversation gets
+each durable event once. A turn that already ended (its ``turn_end`` went out before the
+crash, or the gateway timed it out) is not handled again.
+
+Cancellation is cooperative: ``turn.cancelled`` becomes true and ``turn.cancel_event`` is
+set; the handler should stop and return (the worker then ends the turn with
+``reason: cancelled``). A cancel entry is delivered through the group to *one* worker, which
+may not be the one running the turn, so every worker also tails the inbox for cancels, and a
+turn that starts (or restarts) checks its conversation for a ``cancel_requested`` event.
+
+Publishing goes straight to Redis through :meth:`Store.publish` (the gateway's own Lua
+script): no HTTP hop, and the events reach every gateway process's subscribers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import secrets
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from .config import Settings
+from .conversations import PublishEvent, to_out_event
+from .errors import Rejected
+from .store import Meta, Published, Store, inbox_key
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+log = logging.getLogger("gateway.agent")
+
+Handler = Callable[["Turn"], Awaitable[None]]
+
+_decode_json = msgspec.json.decode
+# Rejections of turn_end meaning "this turn is already over": not an error on redelivery.
+TURN_OVER = frozenset({"no_active_turn", "turn_mismatch", "not_found"})
+UI_SUMMARY_MAX = 120
+CANCEL_SCAN = 500  # durable events after turn_start searched for an early cancel_requested
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _fields(raw: Any) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in (raw or {}).items()}
+
+
+def _stream_replies(reply: Any) -> Iterable[tuple[str, list[Any]]]:
+    """XREAD/XREADGROUP replies as (stream, entries), for RESP2 lists and RESP3 maps."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return [(_text(k), v[0] if v and isinstance(v[0], list) else v)
+                for k, v in reply.items()]
+    return [(_text(stream), entries) for stream, entries in reply]
+
+
+class Turn:
+    """One turn of one conversation, as a handler sees it, with the calls to answer it."""
+
+    def __init__(self, store: Store, fields: dict[str, str], *, entry_id: str = "",
+                 redelivered: bool = False) -> None:
+        self.store = store
+        self.chat_id = fields.get("chat_id", "")
+        self.turn_id = fields.get("turn_id", "")
+        self.text = fields.get("text", "")
+        self.user_id = fields.get("user_id", "")
+        self.client_msg_id = fields.get("client_msg_id", "")
+        raw_data = fields.get("data", "")
+        self.data: Any = _decode_json(raw_data) if raw_data else None
+        self.seq = int(fields.get("seq") or 0)  # the user_message's seq
+        self.started_at = int(fields.get("started_at") or 0)  # ms, server time
+        self.entry_id = entry_id
+        # True when this entry was taken over from another (presumably crashed) worker.
+        self.redelivered = redelivered
+        # The conversation's state when the turn started (title, goal, ...).
+        self.meta: Meta | None = None
+        self.cancel_event = asyncio.Event()
+        self.ended = False
+        self._counts: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"<Turn {self.chat_id} {self.turn_id}>"
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def cancel(self) -> None:
+        """Mark the turn cancelled (the worker does this when the user cancels)."""
+        self.cancel_event.set()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, waking early on cancel; returns whether it was cancelled."""
+        if not self.cancelled:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cancel_event.wait(), seconds)
+        return self.cancelled
+
+    def _key(self, type_: str) -> str:
+        """Idempotency key of the next durable event of ``type_`` in this turn."""
+        n = self._counts.get(type_, 0)
+        self._counts[type_] = n + 1
+        return f"agent:{self.turn_id}:{type_}:{n}"
+
+    async def event(self, type: str, data: dict[str, Any] | None = None, durable: bool = True,
+                    *, key: str | None = None) -> Published:
+        """Publish one event. Durable events are deduplicated per turn (see module doc);
+        ``key`` replaces the derived per-turn suffix when the handler has a better one."""
+        try:
+            event = msgspec.convert({"type": type, "data": data or {}, "durable": durable},
+                                    PublishEvent)
+        except msgspec.ValidationError as exc:
+            raise Rejected("invalid_request", f"{type}: {exc}") from None
+        idem = None
+        if durable:
+            idem = f"agent:{self.turn_id}:{key}" if key is not None else self._key(type)
+        return await self.store.publish(self.chat_id, [to_out_event(event)],
+                                        idempotency_key=idem)
+
+    async def delta(self, text: str) -> Published:
+        """A piece of the answer as it streams (ephemeral ``delta``)."""
+        return await self.event("delta", {"text": text}, durable=False)
+
+    async def reasoning(self, text: str) -> Published:
+        """A piece of visible reasoning (ephemeral ``reasoning_delta``)."""
+        return await self.event("reasoning_delta", {"text": text}, durable=False)
+
+    async def message(self, text: str, **data: Any) -> Published:
+        """The agent's complete message (durable ``message``, ``{text, **data}``)."""
+        return await self.event("message", {"text": text, **data})
+
+    async def tool_call(self, name: str, args: Any, call_id: str | None = None) -> str:
+        """Announce a tool call (durable ``tool_call``); returns its ``call_id``."""
+        if call_id is None:
+            call_id = f"call_{self.turn_id}_{self._counts.get('tool_call', 0)}"
+        await self.event("tool_call", {"call_id": call_id, "name": name, "args": args})
+        return call_id
+
+    async def tool_result(self, call_id: str, result: Any) -> Published:
+        return await self.event("tool_result", {"call_id": call_id, "result": result})
+
+    async def goal_state(self, active: bool, objective: str = "", ui_summary: str = "",
+                         recap: str | None = None, status: str | None = None) -> Published:
+        """Set the conversation's goal; ``status`` defaults to active/complete.
+        ``ui_summary`` is cut to 120 characters."""
+        if len(ui_summary) > UI_SUMMARY_MAX:
+            ui_summary = ui_summary[:UI_SUMMARY_MAX - 1].rstrip() + "…"
+        data: dict[str, Any] = {
+            "active": active, "status": status or ("active" if active else "complete"),
+            "objective": objective, "ui_summary": ui_summary, "recap": recap,
+        }
+        return await self.event("goal_state", data)
+
+    async def title(self, title: str) -> Published:
+        return await self.event("title", {"title": title})
+
+    async def end(self, usage: dict[str, Any] | None = None,
+                  reason: str = "complete") -> Published | None:
+        """End this turn (``turn_end``, only if it is still the running one).
+
+        A cancelled turn ends with ``reason: cancelled``. Returns None when the turn was
+        already over (ended before a redelivery, timed out, conversation deleted).
+        """
+        if self.ended:
+            return None
+        if reason == "complete" and self.cancelled:
+            reason = "cancelled"
+        data: dict[str, Any] = {"reason": reason, "turn_id": self.turn_id}
+        if usage is not None:
+            data["usage"] = usage
+        try:
+            result = await self.event("turn_end", data, key="turn_end")
+        except Rejected as exc:
+            if exc.code not in TURN_OVER:
+                raise
+            log.info("%r was already over: %s", self, exc.message)
+            self.ended = True
+            return None
+        self.ended = True
+        with contextlib.suppress(RedisError, OSError):
+            await self.store.untrack_turn(self.chat_id, self.turn_id)
+        return result
+
+
+class _Entry:
+    __slots__ = ("fields", "id", "redelivered", "stream")
+
+    def __init__(self, stream: str, entry_id: str, fields: dict[str, str],
+                 redelivered: bool) -> None:
+        self.stream = stream
+        self.id = entry_id
+        self.fields = fields
+        self.redelivered = redelivered
+
+
+class AgentWorker:
+    """Runs ``handler`` for every inbox message delivered to this worker's consumer group.
+
+    - ``group``: workers with the same group share the work; another group gets every
+      entry again (a different agent).
+    - ``concurrency``: handlers running at once; one chat's turns always run in order.
+    - ``claim_idle``: seconds an entry may stay unacknowledged with no sign of life before
+      another worker takes it over. Use the same value for every worker of a group.
+    - ``start_id``: where a new group starts: ``"0"`` (everything still in the inbox) or
+      ``"$"`` (only entries added from now on).
+    - ``accept``: optional chat filter; entries of other chats are acknowledged unhandled.
+    """
+
+    def __init__(self, redis: aioredis.Redis, settings: Settings, handler: Handler, *,
+                 group: str = "agents", consumer: str | None = None, concurrency: int = 16,
+                 claim_idle: float = 30.0, start_id: str = "0", block: float = 5.0,
+                 accept: Callable[[str], bool] | None = None) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if claim_idle <= 0:
+            raise ValueError("claim_idle must be positive")
+        self.redis = redis
+        self.settings = settings
+        self.store = Store(redis, settings)
+        self.handler = handler
+        self.group = group
+        self.consumer = consumer or (
+            f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
+        self.concurrency = concurrency
+        self.claim_idle = claim_idle
+        self.start_id = start_id
+        self.block = block
+        self.accept = accept
+        self.keys = [inbox_key(n) for n in range(settings.inbox_partitions)]
+        self.stats = {"handled": 0, "failed": 0, "skipped": 0, "reclaimed": 0, "cancels": 0}
+        self._slots = asyncio.Semaphore(concurrency)
+        self._inflight: dict[tuple[str, str], _Entry] = {}  # read, not yet acked
+        self._freed = asyncio.Event()
+        self._chains: dict[str, asyncio.Task[None]] = {}  # chat -> its latest entry's task
+        self._tasks: set[asyncio.Task[None]] = set()  # entry tasks
+        self._turns: dict[tuple[str, str], Turn] = {}  # (chat, turn) -> running turn
+        self._loops: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self._stop_task: asyncio.Task[None] | None = None
+        self._started = False
+        self.error: BaseException | None = None  # why a loop died, if one did
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the group where missing and start reading. Returns once reading."""
+        if self._started:
+            return
+        self._started = True
+        await self._create_groups()
+        tails = await self._stream_tails()  # before any turn runs, so no cancel is missed
+        self._loops = [
+            asyncio.create_task(self._read_loop(), name=f"agent-read-{self.consumer}"),
+            asyncio.create_task(self._watch_cancels(tails), name=f"agent-cancels-{self.consumer}"),
+            asyncio.create_task(self._maintain(), name=f"agent-claim-{self.consumer}"),
+        ]
+        for task in self._loops:
+            task.add_done_callback(self._loop_done)
+        log.info("agent worker %s reading %d inbox partitions (group %s)",
+                 self.consumer, len(self.keys), self.group)
+
+    async def run(self) -> None:
+        """Start, then run until :meth:`stop`."""
+        await self.start()
+        await self._stopped.wait()
+
+    def request_stop(self, grace: float = 10.0) -> None:
+        """Begin :meth:`stop` without waiting for it (for signal handlers)."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.create_task(self._stop(grace))
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop reading; let running handlers finish for up to ``grace`` seconds.
+
+        Handlers still running then are cancelled: their entries stay pending and another
+        worker takes them over after ``claim_idle``.
+        """
+        self.request_stop(grace)
+        assert self._stop_task is not None
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, grace: float) -> None:
+        current = asyncio.current_task()
+        for task in self._loops:
+            if task is not current:
+                task.cancel()
+        await asyncio.gather(*(t for t in self._loops if t is not current),
+                             return_exceptions=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._started:
+            with contextlib.suppress(RedisError, OSError):
+                await self._forget_consumer()
+        self._stopped.set()
+        log.info("agent worker %s stopped", self.consumer)
+
+    def _loop_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.error = task.exception()
+            log.error("agent worker %s: %s stopped", self.consumer, task.get_name(),
+                      exc_info=self.error)
+            self.request_stop()
+
+    async def _forget_consumer(self) -> None:
+        """Remove this consumer from the group unless it still owns pending entries."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in self.keys:
+                pipe.xpending_range(key, self.group, min="-", max="+", count=1,
+                                    consumername=self.consumer)
+            pending = await pipe.execute(raise_on_error=False)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, rows in zip(self.keys, pending, strict=True):
+                if isinstance(rows, list) and not rows:
+                    pipe.xgroup_delconsumer(key, self.group, self.consumer)
+            await pipe.execute(raise_on_error=False)
+
+    async def _create_groups(self) -> None:
+        for key in self.keys:
+            try:
+                await self.redis.xgroup_create(key, self.group, id=self.start_id, mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def _stream_tails(self) -> dict[str, str]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in self.keys:
+                pipe.xrevrange(key, count=1)
+            last = await pipe.execute()
+        return {key: _text(rows[0][0]) if rows else "0-0"
+                for key, rows in zip(self.keys, last, strict=True)}
+
+    # --- reading -----------------------------------------------------------------------
+
+    async def _wait_capacity(self) -> None:
+        while len(self._inflight) >= self.concurrency:
+            self._freed.clear()
+            await self._freed.wait()
+
+    async def _read_loop(self) -> None:
+        streams: dict[Any, Any] = {key: ">" for key in self.keys}
+        backoff = 0.1
+        while True:
+            await self._wait_capacity()
+            free = self.concurrency - len(self._inflight)
+            # COUNT is per stream: the total may pass ``free`` by at most one per partition.
+            count = max(1, free // len(self.keys))
+            try:
+                reply = await self.redis.xreadgroup(self.group, self.consumer, streams,
+                                                    count=count, block=int(self.block * 1000))
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("inbox group %s is gone; creating it again", self.group)
+                with contextlib.suppress(RedisError, OSError):
+                    await self._create_groups()
+                continue
+            except (RedisError, OSError) as exc:
+                log.warning("reading the inbox: %s; retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            for stream, entries in _stream_replies(reply):
+                for entry_id, raw in entries:
+                    await self._dispatch(_Entry(stream, _text(entry_id), _fields(raw), False))
+
+    async def _dispatch(self, entry: _Entry) -> None:
+        key = (entry.stream, entry.id)
+        if key in self._inflight:
+            return  # already ours and running (reclaimed while we still had it)
+        kind = entry.fields.get("kind")
+        chat_id = entry.fields.get("chat_id", "")
+        if kind == "cancel":
+            self.stats["cancels"] += 1
+            self._mark_cancelled(chat_id, entry.fields.get("turn_id", ""))
+            try:
+                await self.redis.xack(entry.stream, self.group, entry.id)
+            except (RedisError, OSError) as exc:
+                log.warning("acknowledging cancel %s: %s", entry.id, exc)
+            return
+        if kind != "message" or not chat_id:
+            log.warning("ignoring inbox entry %s of kind %r", entry.id, kind)
+            with contextlib.suppress(RedisError, OSError):
+                await self.redis.xack(entry.stream, self.group, entry.id)
+            return
+        self._inflight[key] = entry
+        previous = self._chains.get(chat_id)
+        task = asyncio.create_task(self._run(entry, previous))
+        self._chains[chat_id] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _mark_cancelled(self, chat_id: str, turn_id: str) -> None:
+        turn = self._turns.get((chat_id, turn_id))
+        if turn is not None and not turn.cancelled:
+            log.info("%r cancelled", turn)
+            turn.cancel()
+
+    async def _watch_cancels(self, last: dict[str, str]) -> None:
+        """Tail every partition (outside the group) for cancels of turns running here."""
+        backoff = 0.1
+        while True:
+            try:
+                reply = await self.redis.xread(last, count=500,  # type: ignore[arg-type]
+                                               block=int(self.block * 1000))
+            except (RedisError, OSError) as exc:
+                log.warning("watching for cancels: %s; retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            for stream, entries in _stream_replies(reply):
+                for entry_id, raw in entries:
+                    last[stream] = _text(entry_id)
+                    fields = _fields(raw)
+                    if fields.get("kind") == "cancel":
+                        self._mark_cancelled(fields.get("chat_id", ""),
+                                             fields.get("turn_id", ""))
+
+    # --- liveness and takeover -----------------------------------------------------------
+
+    async def _maintain(self) -> None:
+        """Keep our pending entries fresh; take over entries idle past ``claim_idle``."""
+        interval = max(0.05, min(self.claim_idle / 3, 5.0))
+        cursors = dict.fromkeys(self.keys, "0-0")
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._heartbeat()
+                await self._reclaim(cursors)
+            except (RedisError, OSError) as exc:
+                log.warning("inbox maintenance: %s", exc)
+
+    async def _heartbeat(self) -> None:
+        """XCLAIM our own in-flight entries (JUSTID: the delivery count stays) to reset
+        their idle time, so a long turn is not taken over while it runs."""
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in list(self._inflight):
+            by_stream.setdefault(stream, []).append(entry_id)
+        if not by_stream:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, ids in by_stream.items():
+                pipe.xclaim(stream, self.group, self.consumer, 0, ids,  # type: ignore[arg-type]
+                            justid=True)
+            await pipe.execute()
+
+    async def _reclaim(self, cursors: dict[str, str]) -> None:
+        idle_ms = int(self.claim_idle * 1000)
+        for key in self.keys:
+            free = self.concurrency - len(self._inflight)
+            if free <= 0:
+                return
+            reply = await self.redis.xautoclaim(key, self.group, self.consumer, idle_ms,
+                                                start_id=cursors[key], count=free)
+            cursors[key] = _text(reply[0])
+            for entry_id, raw in reply[1]:
+                if entry_id is None or raw is None:
+                    continue  # deleted from the stream while pending (older servers)
+                entry = _Entry(key, _text(entry_id), _fields(raw), True)
+                if (key, entry.id) not in self._inflight:
+                    self.stats["reclaimed"] += 1
+                    log.info("taking over inbox entry %s of %s", entry.id, key)
+                await self._dispatch(entry)
+
+    # --- running a turn ------------------------------------------------------------------
+
+    async def _run(self, entry: _Entry, previous: asyncio.Task[None] | None) -> None:
+        chat_id = entry.fields["chat_id"]
+        try:
+            if previous is not None:
+                await asyncio.wait([previous])  # this chat's earlier turn first
+            async with self._slots:
+                await self._handle(entry)
+        except (RedisError, OSError) as exc:
+            # Left pending: retried after claim_idle (durable events are deduplicated).
+            log.warning("turn from inbox entry %s failed on Redis: %s", entry.id, exc)
+        except Exception:
+            log.exception("turn from inbox entry %s failed", entry.id)
+        finally:
+            self._inflight.pop((entry.stream, entry.id), None)
+            self._freed.set()
+            if self._chains.get(chat_id) is asyncio.current_task():
+                del self._chains[chat_id]
+
+    async def _handle(self, entry: _Entry) -> None:
+        fields = entry.fields
+        turn = Turn(self.store, fields, entry_id=entry.id, redelivered=entry.redelivered)
+        if not turn.turn_id or (self.accept is not None and not self.accept(turn.chat_id)):
+            await self.redis.xack(entry.stream, self.group, entry.id)
+            return
+        ident = (turn.chat_id, turn.turn_id)
+        self._turns[ident] = turn  # from now on the cancel watcher can reach it
+        try:
+            history = await self.store.read(turn.chat_id, after=turn.seq, limit=CANCEL_SCAN)
+            meta = history.meta
+            if meta is None or meta.status != "running" or meta.turn_id != turn.turn_id:
+                # Ended already: a redelivery after turn_end, a timeout, a deleted chat.
+                self.stats["skipped"] += 1
+                log.info("%r is no longer running; acknowledging it unhandled", turn)
+                await self.redis.xack(entry.stream, self.group, entry.id)
+                return
+            turn.meta = meta
+            if _cancel_requested(history.frames, turn.turn_id):
+                turn.cancel()
+            failed = False
+            try:
+                await self.handler(turn)
+            except Exception:
+                failed = True
+                self.stats["failed"] += 1
+                log.exception("handler failed on %r", turn)
+            if not turn.ended:
+                reason = "error" if failed and not turn.cancelled else "complete"
+                try:
+                    await turn.end(reason=reason)
+                except Rejected as exc:  # nothing a retry would fix
+                    log.warning("ending %r: %s %s", turn, exc.code, exc.message)
+            await self.redis.xack(entry.stream, self.group, entry.id)
+            self.stats["handled"] += 1
+        finally:
+            self._turns.pop(ident, None)
+
+
+def _cancel_requested(frames: list[tuple[int, bytes]], turn_id: str) -> bool:
+    for _, frame in frames:
+        if b'"cancel_requested"' in frame:
+            event = _decode_json(frame)
+            if event.get("type") == "cancel_requested" and \
+                    (event.get("data") or {}).get("turn_id") == turn_id:
+                return True
+    return False
+
+
+# --- running one ---------------------------------------------------------------------------
+
+
+def load_handler(spec: str) -> Handler:
+    """``"package.module:function"`` -> the handler."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"handler must be given as MODULE:FUNCTION, not {spec!r}")
+    target: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"{spec} is not callable")
+    handler: Handler = target
+    return handler
+
+
+async def run_in_process(gateway: Gateway, handler: Handler | None = None,
+                         **options: Any) -> AgentWorker:
+    """Start a worker inside a gateway process, on its Redis client (the demo agent unless
+    ``handler`` is given). Stop it with ``await worker.stop(grace)`` before the client
+    closes."""
+    if handler is None:
+        from .demo_agent import handle
+
+        handler = handle
+    worker = AgentWorker(gateway.redis, gateway.settings, handler, **options)
+    await worker.start()
+    return worker
+
+
+async def serve(handler: Handler, redis_url: str, settings: Settings, **options: Any) -> int:
+    """Run a worker until SIGTERM/SIGINT (``gateway agent``); returns the exit status."""
+    client = aioredis.from_url(redis_url, decode_responses=False, health_check_interval=30)
+    worker = AgentWorker(client, settings, handler, **options)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    try:
+        await worker.start()
+        print(f"agent ready: consumer {worker.consumer}, group {worker.group}, "
+              f"{len(worker.keys)} partitions", flush=True)
+        await worker.run()
+    finally:
+        await worker.stop()
+        await client.aclose()
+    return 1 if worker.error is not None else 0

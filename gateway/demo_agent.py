@@ -1,0 +1,116 @@
+"""The demo agent: enough behaviour to exercise every agent-UI frame without a model.
+
+Run it with ``gateway agent gateway.demo_agent:handle`` (or in-process, see
+:func:`gateway.agent.run_in_process`). It answers every message by streaming the answer word
+by word as ephemeral ``delta`` frames, then one durable ``message`` with the full text, and
+ends the turn. Commands:
+
+- ``/goal <objective>``: start a goal (``goal_state`` active);
+- ``/done``: complete the active goal (``goal_state`` inactive, ``status: complete``, a recap);
+- ``/slow``: stream for about ten seconds (cancel it to see ``turn_end`` ``reason: cancelled``);
+- ``/fail``: raise, so the worker ends the turn with ``reason: error``.
+
+The first message of an untitled conversation also gives it a title.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from .agent import Turn
+from .store import Meta
+
+WORD_DELAY = 0.03  # seconds between streamed words
+SLOW_WORDS = 100
+SLOW_DELAY = 0.1  # /slow: 100 words, 0.1 s apart: about ten seconds
+TITLE_CHARS = 60
+ECHO_CHARS = 200
+HELP = "Try /goal <objective>, /done or /slow."
+
+
+def make_title(text: str) -> str:
+    """The first words of ``text``, up to 60 characters, capitalised."""
+    title = ""
+    for word in text.split():
+        candidate = f"{title} {word}".strip()
+        if len(candidate) > TITLE_CHARS:
+            break
+        title = candidate
+    title = title or " ".join(text.split())[:TITLE_CHARS]
+    return title[:1].upper() + title[1:]
+
+
+def shorten(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
+
+
+def current_goal(meta: Meta | None) -> dict[str, Any] | None:
+    if meta is None or not meta.goal:
+        return None
+    goal = msgspec.json.decode(meta.goal)
+    return goal if isinstance(goal, dict) else None
+
+
+async def stream(turn: Turn, text: str, delay: float = WORD_DELAY) -> str:
+    """Send ``text`` word by word as deltas; stop early on cancel. Returns what was sent."""
+    sent: list[str] = []
+    for piece in re.findall(r"\S+\s*", text):
+        if turn.cancelled:
+            break
+        await turn.delta(piece)
+        sent.append(piece)
+        if await turn.sleep(delay):
+            break
+    return "".join(sent)
+
+
+async def handle(turn: Turn) -> None:
+    text = turn.text.strip()
+    command, _, rest = text.partition(" ")
+    meta = turn.meta or await turn.store.meta(turn.chat_id)
+
+    if meta is not None and not meta.title:
+        source = rest.strip() if command == "/goal" else text
+        if source and not source.startswith("/"):
+            await turn.title(make_title(source))
+
+    delay = WORD_DELAY
+    if command == "/goal":
+        objective = " ".join(rest.split())
+        if not objective:
+            reply = "Tell me the objective: /goal <objective>."
+        else:
+            await turn.goal_state(True, objective=objective,
+                                  ui_summary=shorten(f"Goal: {objective}", 120))
+            reply = (f"Goal set: {objective}. I will keep it in view; "
+                     "send /done when it is complete.")
+    elif command == "/done":
+        goal = current_goal(meta)
+        if goal is None or not goal.get("active"):
+            reply = "There is no active goal. Start one with /goal <objective>."
+        else:
+            objective = str(goal.get("objective") or "")
+            recap = f"Completed the goal: {objective}." if objective else "Completed the goal."
+            await turn.goal_state(False, objective=objective, status="complete",
+                                  ui_summary=shorten(f"Done: {objective}", 120), recap=recap)
+            reply = f"Goal complete. {recap}"
+    elif command == "/slow":
+        reply = " ".join(f"word{i}" for i in range(1, SLOW_WORDS + 1))
+        delay = SLOW_DELAY
+    elif command == "/fail":
+        raise RuntimeError("the demo agent failed on purpose (/fail)")
+    else:
+        reply = (f"You said: “{shorten(text, ECHO_CHARS)}”. I am the demo agent: I stream my "
+                 f"answers word by word. {HELP}")
+
+    streamed = await stream(turn, reply, delay)
+    if turn.cancelled:
+        if streamed:
+            await turn.message(streamed.rstrip(), cancelled=True)
+    else:
+        await turn.message(reply)
+    await turn.end(usage={"input_chars": len(turn.text), "output_words": len(streamed.split())})

@@ -1,0 +1,290 @@
+"""Server-Sent Events: one conversation's durable events over plain HTTP.
+
+``GET /v1/conversations/{chat_id}/stream`` is for clients that cannot hold a WebSocket (a
+browser ``EventSource``, ``curl``, a serverless function). Every durable event is sent as::
+
+    id: <epoch>:<seq>
+    event: <type>
+    data: <the frame JSON exactly as stored>
+
+so the ``Last-Event-ID`` a client sends back on reconnect is the WebSocket ``since``, and the
+resume has the same guarantee: the response joins the hub room *before* reading history,
+``recovery.plan_replay`` decides between every missed event and none, and live frames that
+arrived meanwhile are merged by seq (no gap, no duplicate). Ephemeral frames are not sent.
+
+Each response is a hub :class:`~gateway.hub.Member` whose queue is bounded in bytes: fan-out
+never waits for a slow reader. Past ``queue_max_bytes`` the stream ends and the client resumes
+with ``Last-Event-ID``, exactly as a WebSocket closed with 4008 resumes with ``since``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from . import protocol as p
+from .auth import AuthError, Principal, bearer, verify_token
+from .errors import Rejected
+from .hub import Frame, Hub
+from .recovery import plan_replay
+from .store import Meta
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+log = logging.getLogger("gateway.sse")
+
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MEDIA_TYPE = "text/event-stream"
+PING = b": ping\n\n"
+CHUNK_BYTES = 64 * 1024  # a replay is written in chunks of about this size
+# "<epoch>:<seq>"; epochs are hex tokens, but any id-safe word is accepted.
+LAST_EVENT_ID_RE = re.compile(r"^([A-Za-z0-9_.-]{1,64}):(0|[1-9][0-9]{0,17})$")
+
+_encode = msgspec.json.encode
+_TYPE_PREFIX = b'{"type":"'
+
+# A queue entry: the room's epoch when the frame was fanned out (None if not yet known) and
+# the frame; None itself is the overflow marker.
+Entry = tuple[str | None, Frame]
+
+
+class StreamMember:
+    """One SSE response in a hub room: durable frames wait in a queue bounded in bytes.
+
+    ``deliver`` never blocks. When the queue would pass ``max_bytes``, the member stops
+    taking frames and queues the overflow marker: the response sends what it already has and
+    ends, and the client resumes from the last id it received.
+    """
+
+    __slots__ = ("_hub", "_queue", "max_bytes", "overflowed", "queued_bytes")
+
+    def __init__(self, hub: Hub, max_bytes: int) -> None:
+        self._hub = hub
+        self._queue: asyncio.Queue[Entry | None] = asyncio.Queue()
+        self.max_bytes = max_bytes
+        self.queued_bytes = 0
+        self.overflowed = False
+
+    def deliver(self, chat_id: str, frame: Frame) -> None:
+        if self.overflowed:
+            return
+        if frame.seq is None and not frame.is_deleted:
+            return  # ephemeral: not sent over SSE
+        size = frame.size
+        if self.queued_bytes and self.queued_bytes + size > self.max_bytes:
+            self.overflowed = True
+            self._queue.put_nowait(None)
+            return
+        room = self._hub.room(chat_id)
+        self._queue.put_nowait((room.epoch if room is not None else None, frame))
+        self.queued_bytes += size
+
+    def deliver_feed(self, frame: Frame) -> None:
+        """Never joined to a feed: conversation-list frames are WebSocket-only."""
+
+    async def next_batch(self, within: float) -> list[Entry | None] | None:
+        """Everything queued, waiting up to ``within`` seconds for the first; None if none."""
+        try:
+            first = await asyncio.wait_for(self._queue.get(), within)
+        except TimeoutError:
+            return None
+        batch = [first]
+        while not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        for entry in batch:
+            if entry is not None:
+                self.queued_bytes -= entry[1].size
+        return batch
+
+
+# --- wire format ----------------------------------------------------------------------
+
+
+def event_type(json: bytes) -> bytes:
+    """The frame's ``type``: stored frames all start with it, so no decoding is needed."""
+    if json.startswith(_TYPE_PREFIX):
+        end = json.find(b'"', len(_TYPE_PREFIX))
+        if end > 0:
+            return json[len(_TYPE_PREFIX):end]
+    try:
+        kind = msgspec.json.decode(json, type=dict[str, Any]).get("type")
+    except msgspec.DecodeError:
+        kind = None
+    text = kind if isinstance(kind, str) and kind else "message"
+    return " ".join(text.split()).encode()
+
+
+def format_event(event: bytes, data: bytes, event_id: bytes | None = None) -> bytes:
+    """One SSE event. ``data`` that spans lines becomes several ``data:`` lines, which the
+    client joins back with ``\\n`` (stored frames are single-line JSON, so this is a guard)."""
+    head = b"id: " + event_id + b"\n" if event_id is not None else b""
+    head += b"event: " + event + b"\n"
+    if b"\n" in data or b"\r" in data:
+        return head + b"".join(b"data: " + line + b"\n" for line in data.splitlines()) + b"\n"
+    return head + b"data: " + data + b"\n\n"
+
+
+def event_id(epoch: str, seq: int) -> bytes:
+    return f"{epoch}:{seq}".encode()
+
+
+def parse_last_event_id(value: str) -> p.Since:
+    match = LAST_EVENT_ID_RE.match(value.strip())
+    if match is None:
+        raise Rejected("invalid_request",
+                       "Last-Event-ID must be '<epoch>:<seq>', as sent in an event's id")
+    return p.Since(int(match.group(2)), match.group(1))
+
+
+def state_event(kind: bytes, chat_id: str, meta: Meta, recovered: bool) -> bytes:
+    """``ready`` (a fresh stream) or ``reset`` (the resume failed): where the stream starts."""
+    data = _encode({
+        "chat_id": chat_id, "epoch": meta.epoch, "seq": meta.seq, "recovered": recovered,
+        "status": "running" if meta.status == "running" else "idle", "title": meta.title,
+        "turn_id": meta.turn_id, "started_at": meta.started_at,
+        "goal_state": msgspec.Raw(meta.goal) if meta.goal else None,
+    })
+    return format_event(kind, data, event_id(meta.epoch, meta.seq))
+
+
+def _deleted_epoch(frame: Frame) -> str | None:
+    try:
+        data = msgspec.json.decode(frame.json, type=dict[str, Any]).get("data")
+    except msgspec.DecodeError:
+        return None
+    epoch = data.get("epoch") if isinstance(data, dict) else None
+    return epoch if isinstance(epoch, str) else None
+
+
+# --- the endpoint ---------------------------------------------------------------------
+
+
+def _principal(request: Request, gateway: Gateway) -> Principal:
+    token = bearer(request.headers.get("authorization"), request.query_params.get("token"))
+    try:
+        return verify_token(gateway.settings.secret, token)
+    except AuthError as exc:
+        raise Rejected("unauthorized", str(exc)) from None
+
+
+async def stream(request: Request) -> Response:
+    """``GET /v1/conversations/{chat_id}/stream``: every check answers before the stream."""
+    gateway: Gateway = request.app.state.gateway
+    who = _principal(request, gateway)
+    chat_id: str = request.path_params["chat_id"]
+    if not p.CHAT_ID_RE.match(chat_id):
+        raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+    # The header wins: an EventSource reconnecting to a URL that carries ?last_event_id=
+    # sends the newer position in the header.
+    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    since = parse_last_event_id(raw) if raw else None
+    meta = await gateway.store.meta(chat_id)
+    if meta is None:
+        raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
+    if not who.may_access(meta.owner):
+        raise Rejected("forbidden", "you may not access this conversation")
+    if request.method == "HEAD":
+        return Response(media_type=MEDIA_TYPE, headers=HEADERS)
+    return StreamingResponse(_events(request, gateway, who, chat_id, since),
+                             media_type=MEDIA_TYPE, headers=HEADERS)
+
+
+async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: str,
+                  since: p.Since | None) -> AsyncIterator[bytes]:
+    hub, store, settings = gateway.hub, gateway.store, gateway.settings
+    member = StreamMember(hub, settings.queue_max_bytes)
+    try:
+        await hub.join(chat_id, member)
+        # Joined first: everything published from here on is in the member's queue, and
+        # the history read below overlaps it; merging by seq removes the overlap.
+        after = since.seq if since is not None else None
+        history = await store.read(chat_id, after, settings.replay_limit + 1)
+        meta = history.meta
+        if meta is None or not who.may_access(meta.owner):
+            return  # deleted (or recreated by someone else) since the check: reconnect
+        room = hub.room(chat_id)
+        if room is not None:
+            hub.observe(room, meta.epoch, meta.seq)
+        epoch = meta.epoch
+        if since is None:
+            yield state_event(b"ready", chat_id, meta, True)
+        else:
+            plan = plan_replay(since, epoch, meta.seq, history.frames, settings.replay_limit)
+            if not plan.recovered:
+                yield state_event(b"reset", chat_id, meta, False)
+            chunk = bytearray()
+            for seq, json in plan.frames:
+                chunk += format_event(event_type(json), json, event_id(epoch, seq))
+                if len(chunk) >= CHUNK_BYTES:
+                    yield bytes(chunk)
+                    chunk.clear()
+            if chunk:
+                yield bytes(chunk)
+        last = meta.seq
+        async for piece in _live(request, member, chat_id, epoch, last, who.expires_at,
+                                  settings.heartbeat):
+            yield piece
+    except (RedisError, ConnectionError, OSError, TimeoutError) as exc:
+        log.warning("sse %s: backend failure (%s); ending the stream", chat_id, exc)
+    finally:
+        hub.leave(chat_id, member)
+
+
+async def _live(request: Request, member: StreamMember, chat_id: str, epoch: str, last: int,
+                expires_at: float | None, heartbeat: float) -> AsyncIterator[bytes]:
+    """Live frames with seq > ``last``, a ping comment when idle, until the stream must end."""
+    while True:
+        timeout = heartbeat
+        if expires_at is not None:
+            left = expires_at - time.time()
+            if left <= 0:
+                yield b": token expired\n\n"
+                return
+            timeout = min(timeout, left)
+        batch = await member.next_batch(timeout)
+        if batch is None:
+            if await request.is_disconnected():
+                return
+            yield PING
+            continue
+        out = bytearray()
+        end = False
+        for entry in batch:
+            if entry is None:  # overflowed: send what came before, then let it reconnect
+                out += b": slow consumer\n\n"
+                end = True
+                break
+            tagged, frame = entry
+            if frame.is_deleted:
+                if _deleted_epoch(frame) not in (None, epoch):
+                    continue  # the end of an earlier incarnation, read past already
+                out += format_event(b"deleted", frame.json)
+                end = True
+                break
+            seq = frame.seq
+            assert seq is not None
+            if tagged is not None and tagged != epoch:
+                end = True  # recreated under us: the reconnect gets an explicit reset
+                break
+            if seq <= last:
+                continue
+            if seq != last + 1:
+                end = True  # a hole the hub could not fill: the reconnect replays or resets
+                break
+            out += format_event(event_type(frame.json), frame.json, event_id(epoch, seq))
+            last = seq
+        if out:
+            yield bytes(out)
+        if end:
+            log.info("sse %s: stream ended at seq %d", chat_id, last)
+            return

@@ -1,0 +1,291 @@
+// Type declarations for gateway-client.js (gateway wire protocol v1; see protocol.md).
+
+export declare const JSON_SUBPROTOCOL: "gateway.v1.json";
+
+export declare const CloseCodes: Readonly<{
+  NORMAL: 1000;
+  FRAME_TOO_BIG: 1009;
+  SERVER_RESTART: 1012;
+  BACKEND_UNAVAILABLE: 1013;
+  UNAUTHORIZED: 4001;
+  FORBIDDEN: 4003;
+  PROTOCOL_ABUSE: 4004;
+  SLOW_CONSUMER: 4008;
+  TOKEN_EXPIRED: 4011;
+  TOO_MANY: 4029;
+}>;
+
+/** 4001, 4003, 4004: the client stops reconnecting. */
+export declare const TERMINAL_CLOSE_CODES: ReadonlySet<number>;
+
+export type RequestId = string | number;
+
+/** The resume point of a conversation. */
+export interface Since {
+  seq: number;
+  epoch: string;
+}
+
+// --- frames ----------------------------------------------------------------------------
+
+export interface Limits {
+  max_frame_bytes: number;
+  max_text_bytes: number;
+  max_subscriptions: number;
+  replay_limit: number;
+  rate_limit: number;
+  buffer_max_frames: number;
+  buffer_max_bytes: number;
+  buffer_ttl: number;
+}
+
+export interface HelloFrame {
+  type: "hello";
+  connection_id: string;
+  user_id: string;
+  role: "user" | "service";
+  heartbeat_interval: number;
+  protocol: "v1";
+  limits: Limits;
+}
+
+export interface GoalState {
+  active: boolean;
+  status: string;
+  objective: string;
+  ui_summary: string;
+  recap?: string | null;
+  updated_at: number;
+  [extra: string]: unknown;
+}
+
+export interface Snapshot {
+  title: string | null;
+  status: "idle" | "running";
+  turn_id: string | null;
+  started_at: number | null;
+  goal_state: GoalState | null;
+}
+
+export interface SubscribedFrame {
+  type: "subscribed";
+  chat_id: string;
+  id?: RequestId;
+  epoch: string;
+  seq: number;
+  recovered: boolean;
+  replayed: number;
+  snapshot: Snapshot;
+  /** Present when this subscribe drained the connection's buffer of an unsubscribed chat. */
+  buffered?: number;
+  /** True when that buffer had overflowed or expired and durable events were replayed instead. */
+  overflowed?: boolean;
+}
+
+export interface UnsubscribedFrame { type: "unsubscribed"; chat_id: string; id?: RequestId }
+export interface LeftFrame { type: "left"; chat_id: string; id?: RequestId }
+
+export interface AckFrame {
+  type: "ack";
+  chat_id: string;
+  id?: RequestId;
+  seq: number | null;
+  client_msg_id: string | null;
+  turn_id: string | null;
+  duplicate: boolean;
+}
+
+export interface PongFrame { type: "pong"; id?: RequestId; ts: number }
+
+export type ErrorCode =
+  | "malformed" | "unknown_type" | "invalid_frame" | "forbidden" | "not_found"
+  | "text_too_long" | "too_many_subscriptions" | "turn_in_progress" | "no_active_turn"
+  | "turn_mismatch" | "rate_limited" | (string & {});
+
+export interface ErrorFrame {
+  type: "error";
+  code: ErrorCode;
+  message: string;
+  id?: RequestId;
+  chat_id?: string;
+}
+
+/** The live conversation feed: every owned conversation, subscribed or not. */
+export interface ConversationFrame {
+  type: "conversation";
+  chat_id: string;
+  title: string | null;
+  status: "idle" | "running";
+  updated_at: number;
+  last_seq: number;
+  goal_state: GoalState | null;
+  preview: string | null;
+  created: boolean;
+  deleted: boolean;
+}
+
+/** Any event of a conversation. `seq` is null on ephemeral events (deltas, usually). */
+export interface EventFrame<T extends string = string, D = Record<string, unknown>> {
+  type: T;
+  chat_id: string;
+  seq: number | null;
+  ts: number;
+  data: D;
+}
+
+export type UserMessageEvent = EventFrame<"user_message", {
+  text: string; client_msg_id: string; user_id: string; data?: Record<string, unknown>;
+}>;
+export type TurnStartEvent = EventFrame<"turn_start", { turn_id: string; started_at: number }>;
+export type CancelRequestedEvent = EventFrame<"cancel_requested", { turn_id: string }>;
+export type TurnEndEvent = EventFrame<"turn_end", {
+  turn_id: string;
+  latency_ms: number;
+  goal_state: GoalState | null;
+  reason: "complete" | "cancelled" | "error" | "timeout";
+  usage: Record<string, unknown> | null;
+}>;
+export type GoalStateEvent = EventFrame<"goal_state", GoalState>;
+export type TitleEvent = EventFrame<"title", { title: string; previous: string | null; source: string }>;
+export type DeletedEvent = EventFrame<"deleted", { epoch: string; last_seq: number }>;
+
+export type ServerFrame =
+  | HelloFrame | SubscribedFrame | UnsubscribedFrame | LeftFrame | AckFrame | PongFrame
+  | ErrorFrame | ConversationFrame | EventFrame;
+
+// --- the client --------------------------------------------------------------------------
+
+export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | "closed";
+
+export interface TokenRequest {
+  /** "connect" (first attempt), "reconnect", or "expired" (the last close was 4011). */
+  reason: "connect" | "reconnect" | "expired";
+  lastClose: { code: number; reason: string } | null;
+}
+
+/** A token, or a callback asked before every connection attempt (return a fresh one). */
+export type TokenSource = string | null | ((request: TokenRequest) => string | Promise<string>);
+
+export interface GatewayClientOptions {
+  /** ws(s)://host/v1/ws; defaults to the page's host. */
+  url?: string;
+  token?: TokenSource;
+  /** A WHATWG WebSocket constructor (defaults to globalThis.WebSocket). */
+  WebSocket?: { new (url: string, protocols?: string | string[]): WebSocket };
+  /** Backoff base, ms (default 500). */
+  initialDelay?: number;
+  /** Backoff cap, ms (default 15000). */
+  maxDelay?: number;
+  /** No `hello` within this many ms: the attempt counts as failed (default 10000). */
+  connectTimeout?: number;
+  /** Wait before resending unanswered requests after `rate_limited` (default 1000 ms). */
+  rateLimitRetry?: number;
+  /** Random source in [0, 1), for the jitter (tests). */
+  random?: () => number;
+}
+
+export interface StateChange {
+  state: ConnectionState;
+  attempt: number;
+  /** Close code that caused this state, when there was one. */
+  code?: number;
+  reason?: string;
+  /** "reconnecting": the wait before the next attempt (ms) and when it ends (epoch ms). */
+  delay?: number;
+  retryAt?: number;
+  /** "closed": true when a terminal close code (4001/4003/4004) stopped the client. */
+  terminal?: boolean;
+  connectionId?: string;
+}
+
+export interface SubscribedEvent {
+  chatId: string;
+  frame: SubscribedFrame;
+  /** How the client subscribed: resumed with `since`, drained the buffer, repeated, or fresh. */
+  mode: "since" | "buffer" | "again" | "fresh";
+}
+
+/** The gateway could not replay the gap (`recovered: false`): reload the history over HTTP. */
+export interface RecoveryEvent {
+  chatId: string;
+  recovered: false;
+  epoch: string;
+  seq: number;
+  frame: SubscribedFrame;
+}
+
+export interface GapEvent { chatId: string; expected: number; got: number }
+export interface ClosedEvent { code: number; reason: string; terminal: boolean }
+
+export interface GatewayClientEvents {
+  state: StateChange;
+  hello: HelloFrame;
+  subscribed: SubscribedEvent;
+  /** Each conversation event once, in order (durable ones de-duplicated by seq). */
+  event: EventFrame;
+  recovery: RecoveryEvent;
+  gap: GapEvent;
+  conversation: ConversationFrame;
+  ack: AckFrame;
+  error: ErrorFrame;
+  closed: ClosedEvent;
+}
+
+export interface SubscribeOptions {
+  /** Resume point, e.g. {seq: last_seq, epoch} of a history page just loaded over HTTP. */
+  since?: Since | null;
+}
+
+export interface SendMessageOptions {
+  /** Defaults to a fresh id; it is reused for every retry of this message. */
+  clientMsgId?: string;
+  data?: Record<string, unknown>;
+}
+
+export declare class GatewayError extends Error {
+  constructor(code: string, message?: string, frame?: ErrorFrame | null);
+  readonly code: ErrorCode | "not_connected" | "disconnected";
+  readonly frame: ErrorFrame | null;
+}
+
+export declare function newClientMsgId(): string;
+export declare function backoffDelay(attempt: number, initialDelay?: number, maxDelay?: number,
+                                     random?: () => number): number;
+
+export declare class GatewayClient {
+  constructor(options?: GatewayClientOptions);
+  readonly url: string;
+  readonly state: ConnectionState;
+  /** True once `hello` arrived on the current socket. */
+  readonly connected: boolean;
+  readonly hello: HelloFrame | null;
+  /** Messages and cancels not answered yet (queued or in flight). */
+  readonly outboxSize: number;
+  /** Chats the app wants live. */
+  readonly subscriptions: string[];
+  /** Durable events dropped because their seq was already delivered. */
+  readonly duplicatesDropped: number;
+
+  on<K extends keyof GatewayClientEvents>(type: K, listener: (event: GatewayClientEvents[K]) => void): () => void;
+  off<K extends keyof GatewayClientEvents>(type: K, listener: (event: GatewayClientEvents[K]) => void): void;
+
+  connect(): void;
+  close(): void;
+  reconnectNow(): void;
+  setToken(token: TokenSource): void;
+  /** Round-trip time in ms. */
+  ping(): Promise<number>;
+
+  /** Resolves with the `subscribed` frame, or null if unsubscribed/left before it came. */
+  subscribe(chatId: string, options?: SubscribeOptions): Promise<SubscribedFrame | null>;
+  unsubscribe(chatId: string): Promise<UnsubscribedFrame | null>;
+  leave(chatId: string): Promise<LeftFrame | null>;
+  position(chatId: string): Since | null;
+
+  /** Rejects with a GatewayError (e.g. code "turn_in_progress", "text_too_long"). */
+  sendMessage(chatId: string, text: string, options?: SendMessageOptions): Promise<AckFrame>;
+  /** Resolves with the ack, or null when a retry found the turn already cancelled. */
+  cancel(chatId: string, turnId?: string): Promise<AckFrame | null>;
+}
+
+export default GatewayClient;

@@ -1,0 +1,696 @@
+// gateway-client.js: a client for the gateway wire protocol v1 (see protocol.md).
+//
+// One ES module, no dependencies, no build step. Works in browsers and in any runtime with a
+// WHATWG WebSocket (Node 22+, Deno, Bun), or pass `WebSocket` in the options.
+//
+//   import { GatewayClient } from "/static/gateway-client.js";
+//   const client = new GatewayClient({ token: () => fetchToken() });
+//   client.on("event", (frame) => render(frame));
+//   client.on("recovery", ({ chatId }) => reloadHistory(chatId));
+//   client.connect();
+//   await client.subscribe("trip");
+//   await client.sendMessage("trip", "plan a day in Lisbon");
+//
+// What it does for you:
+// - reconnects with exponential backoff and full jitter; stops on the terminal close codes
+//   (4001, 4003, 4004); asks the token callback again on every attempt (so 4011 gets a fresh one);
+// - remembers {seq, epoch} per chat, resubscribes with `since` after a reconnect, drops
+//   duplicate durable events, repairs a gap by resubscribing, and tells the app with a
+//   `recovery` event when the gateway answers `recovered: false` (reload history over HTTP);
+// - subscribe/unsubscribe keep the gateway's per-connection buffer useful: a chat that was
+//   unsubscribed on this connection is resubscribed without `since`, so the buffered frames
+//   (deltas included) are drained; after a reconnect it resumes with `since` instead;
+// - sendMessage() makes a client_msg_id once and reuses it for every retry; messages and
+//   cancels are queued while disconnected and sent once, in order, after the resubscribes.
+
+export const JSON_SUBPROTOCOL = "gateway.v1.json";
+
+export const CloseCodes = Object.freeze({
+  NORMAL: 1000,
+  FRAME_TOO_BIG: 1009,
+  SERVER_RESTART: 1012,
+  BACKEND_UNAVAILABLE: 1013,
+  UNAUTHORIZED: 4001,
+  FORBIDDEN: 4003,
+  PROTOCOL_ABUSE: 4004,
+  SLOW_CONSUMER: 4008,
+  TOKEN_EXPIRED: 4011,
+  TOO_MANY: 4029,
+});
+
+/** Close codes after which reconnecting cannot help: the app must fix something first. */
+export const TERMINAL_CLOSE_CODES = Object.freeze(new Set([4001, 4003, 4004]));
+/** Close codes that ask for a real backoff before the next attempt (never an instant retry). */
+const BUSY_CLOSE_CODES = new Set([4029, 1013]);
+
+const REPLY_TYPES = new Set(["hello", "subscribed", "unsubscribed", "left", "ack", "pong",
+  "error", "conversation"]);
+
+/** An error reported by the gateway (an `error` frame), or by the client itself. */
+export class GatewayError extends Error {
+  constructor(code, message, frame = null) {
+    super(message || code);
+    this.name = "GatewayError";
+    this.code = code;
+    this.frame = frame;
+  }
+}
+
+/** A fresh, unguessable client_msg_id. */
+export function newClientMsgId() {
+  const c = globalThis.crypto;
+  if (c && typeof c.randomUUID === "function") return "m-" + c.randomUUID();
+  const bytes = new Uint8Array(16);
+  if (c && typeof c.getRandomValues === "function") c.getRandomValues(bytes);
+  else for (let i = 0; i < bytes.length; i++) bytes[i] = Math.floor(Math.random() * 256);
+  return "m-" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+/** Exponential backoff with full jitter: uniform in [0, min(maxDelay, initialDelay * 2^attempt)). */
+export function backoffDelay(attempt, initialDelay = 500, maxDelay = 15000, random = Math.random) {
+  const cap = Math.min(maxDelay, initialDelay * 2 ** Math.min(attempt, 30));
+  return Math.floor(random() * cap);
+}
+
+function defaultUrl() {
+  const loc = globalThis.location;
+  if (!loc || !loc.host) throw new Error("GatewayClient: pass `url` (no page location to derive it from)");
+  return (loc.protocol === "https:" ? "wss://" : "ws://") + loc.host + "/v1/ws";
+}
+
+export class GatewayClient {
+  /**
+   * @param {object} [options] see gateway-client.d.ts (GatewayClientOptions)
+   */
+  constructor(options = {}) {
+    this.url = options.url ?? defaultUrl();
+    this._token = options.token ?? null;
+    this._WebSocket = options.WebSocket ?? globalThis.WebSocket;
+    if (typeof this._WebSocket !== "function") throw new Error("GatewayClient: no WebSocket implementation");
+    this._initialDelay = options.initialDelay ?? 500;
+    this._maxDelay = options.maxDelay ?? 15000;
+    this._random = options.random ?? Math.random;
+    this._connectTimeout = options.connectTimeout ?? 10000;
+    this._rateLimitRetry = options.rateLimitRetry ?? 1000;
+
+    this._listeners = new Map();
+    this._chats = new Map(); // chat_id -> ChatState (see _chat)
+    this._outbox = []; // queued messages and cancels, in order; removed when answered
+    this._pending = new Map(); // request id -> {kind, chatId?, entry?, resolve?, reject?}
+    this._nextId = 1;
+
+    this._ws = null;
+    this._hello = null;
+    this._state = "idle";
+    this._stopped = true;
+    this._attempt = 0;
+    this._generation = 0;
+    this._timer = null;
+    this._heartbeat = null;
+    this._retryTimer = null;
+    this._lastRx = 0;
+    this._pingSent = 0;
+    this._lastClose = null;
+    this.duplicatesDropped = 0;
+
+    this._onOnline = () => this.reconnectNow();
+    if (typeof globalThis.addEventListener === "function") {
+      globalThis.addEventListener("online", this._onOnline);
+    }
+  }
+
+  // --- events ------------------------------------------------------------------------
+
+  /** Listen to an event; returns a function that removes the listener. */
+  on(type, listener) {
+    let set = this._listeners.get(type);
+    if (!set) this._listeners.set(type, (set = new Set()));
+    set.add(listener);
+    return () => this.off(type, listener);
+  }
+
+  off(type, listener) {
+    this._listeners.get(type)?.delete(listener);
+  }
+
+  _emit(type, payload) {
+    const set = this._listeners.get(type);
+    if (!set) return;
+    for (const listener of [...set]) {
+      try {
+        listener(payload);
+      } catch (err) {
+        // A broken listener must not break the connection.
+        setTimeout(() => { throw err; });
+      }
+    }
+  }
+
+  // --- connection --------------------------------------------------------------------
+
+  /** "idle" | "connecting" | "open" | "reconnecting" | "closed" */
+  get state() { return this._state; }
+  /** True once `hello` arrived on the current socket. */
+  get connected() { return this._state === "open"; }
+  /** The `hello` frame of the current connection, or null. */
+  get hello() { return this._hello; }
+  /** Messages and cancels not answered yet (queued or in flight). */
+  get outboxSize() { return this._outbox.length; }
+
+  /** Start connecting (again, after close() or a terminal close). */
+  connect() {
+    if (!this._stopped) return;
+    this._stopped = false;
+    this._attempt = 0;
+    this._open("connect");
+  }
+
+  /** Replace the token (a string or a callback) used by the next connection attempt. */
+  setToken(token) {
+    this._token = token;
+  }
+
+  /** Skip the backoff wait and try now (also done on the browser's `online` event). */
+  reconnectNow() {
+    if (this._stopped || this._state !== "reconnecting") return;
+    this._open("reconnect");
+  }
+
+  /** Close for good (until connect()). Queued messages stay queued. */
+  close() {
+    this._stopped = true;
+    this._generation++;
+    clearTimeout(this._timer);
+    this._timer = null;
+    const ws = this._ws;
+    if (ws) {
+      this._detach(ws);
+      try { ws.close(1000, "client closed"); } catch { /* already closing */ }
+    }
+    this._connectionLost();
+    this._setState("closed", { code: 1000, reason: "client closed", terminal: false });
+    if (typeof globalThis.removeEventListener === "function") {
+      globalThis.removeEventListener("online", this._onOnline);
+    }
+  }
+
+  _setState(state, info = {}) {
+    this._state = state;
+    this._emit("state", { state, attempt: this._attempt, ...info });
+  }
+
+  async _getToken(reason) {
+    const token = this._token;
+    if (typeof token === "function") return await token({ reason, lastClose: this._lastClose });
+    return token;
+  }
+
+  async _open(reason) {
+    clearTimeout(this._timer);
+    this._timer = null;
+    const generation = ++this._generation;
+    this._setState("connecting", { reason });
+    let token;
+    try {
+      token = await this._getToken(this._lastClose?.code === 4011 ? "expired" : reason);
+    } catch (err) {
+      if (generation !== this._generation || this._stopped) return;
+      this._scheduleReconnect(0, "token callback failed: " + (err?.message ?? err));
+      return;
+    }
+    if (generation !== this._generation || this._stopped) return;
+    let url = this.url;
+    if (token) url += (url.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(token);
+    let ws;
+    try {
+      ws = new this._WebSocket(url, [JSON_SUBPROTOCOL]);
+    } catch (err) {
+      this._scheduleReconnect(0, "cannot open: " + (err?.message ?? err));
+      return;
+    }
+    this._ws = ws;
+    this._lastRx = Date.now();
+    ws.onmessage = (ev) => {
+      if (this._ws !== ws) return;
+      this._lastRx = Date.now();
+      this._pingSent = 0;
+      if (typeof ev.data !== "string") return; // JSON subprotocol: text frames only
+      let frame;
+      try { frame = JSON.parse(ev.data); } catch { return; }
+      if (frame && typeof frame === "object") this._onFrame(frame);
+    };
+    ws.onclose = (ev) => {
+      if (this._ws !== ws) return;
+      this._onSocketClosed(ev.code ?? 1006, ev.reason ?? "");
+    };
+    ws.onerror = () => { /* a close event follows */ };
+    // No hello within connectTimeout: treat as a dropped connection.
+    this._timer = setTimeout(() => {
+      if (this._ws === ws && !this._hello) this._drop(ws, "connect timeout");
+    }, this._connectTimeout);
+  }
+
+  _detach(ws) {
+    ws.onmessage = ws.onclose = ws.onerror = null;
+    if (this._ws === ws) this._ws = null;
+  }
+
+  /** Abandon a socket that stopped answering and reconnect as after a network drop. */
+  _drop(ws, reason) {
+    this._detach(ws);
+    try { ws.close(4000, reason); } catch { /* ignore */ }
+    this._onSocketClosed(1006, reason);
+  }
+
+  _onSocketClosed(code, reason) {
+    const ws = this._ws;
+    if (ws) this._detach(ws);
+    clearTimeout(this._timer);
+    this._timer = null;
+    this._lastClose = { code, reason };
+    this._connectionLost();
+    if (this._stopped) return;
+    if (TERMINAL_CLOSE_CODES.has(code)) {
+      this._stopped = true;
+      this._setState("closed", { code, reason, terminal: true });
+      this._emit("closed", { code, reason, terminal: true });
+      return;
+    }
+    this._emit("closed", { code, reason, terminal: false });
+    this._scheduleReconnect(code, reason);
+  }
+
+  /** Forget everything that only lived on the socket that just went away. */
+  _connectionLost() {
+    this._hello = null;
+    clearInterval(this._heartbeat);
+    this._heartbeat = null;
+    clearTimeout(this._retryTimer);
+    this._retryTimer = null;
+    for (const chat of this._chats.values()) {
+      chat.server = "none"; // the gateway's subscription and buffer died with the socket
+      chat.subReq = null;
+      chat.subMode = null;
+    }
+    for (const req of this._pending.values()) {
+      // Unsubscribe/leave/ping are moot now; subscribes are redone on resume; messages and
+      // cancels stay in the outbox and are sent again.
+      if (req.resolve) req.resolve(null);
+    }
+    this._pending.clear();
+    for (const entry of this._outbox) entry.reqId = null;
+  }
+
+  _scheduleReconnect(code, reason) {
+    let attempt = this._attempt++;
+    let floor = 0;
+    if (BUSY_CLOSE_CODES.has(code)) {
+      attempt = Math.max(attempt, 2);
+      floor = this._initialDelay;
+    }
+    const delay = Math.max(floor, backoffDelay(attempt, this._initialDelay, this._maxDelay, this._random));
+    this._setState("reconnecting", { code, reason, delay, retryAt: Date.now() + delay });
+    const generation = ++this._generation;
+    this._timer = setTimeout(() => {
+      if (generation === this._generation && !this._stopped) this._open("reconnect");
+    }, delay);
+  }
+
+  _startHeartbeat(seconds) {
+    const interval = Math.max(1, Number(seconds) || 25) * 1000;
+    clearInterval(this._heartbeat);
+    this._heartbeat = setInterval(() => {
+      const ws = this._ws;
+      if (!ws || !this._hello) return;
+      const quiet = Date.now() - this._lastRx;
+      if (quiet > 2 * interval) {
+        this._drop(ws, "heartbeat timeout");
+      } else if (quiet > interval && !this._pingSent) {
+        this._pingSent = Date.now();
+        this._send({ type: "ping", id: this._nextId++ });
+      }
+    }, interval / 2);
+  }
+
+  _send(frame) {
+    const ws = this._ws;
+    if (!ws || ws.readyState !== 1) return false;
+    ws.send(JSON.stringify(frame));
+    return true;
+  }
+
+  /** Round-trip time to the gateway in ms (rejects when not connected). */
+  ping() {
+    if (!this.connected) return Promise.reject(new GatewayError("not_connected", "not connected"));
+    return new Promise((resolve, reject) => {
+      const id = this._nextId++;
+      const started = Date.now();
+      this._pending.set(id, {
+        kind: "ping",
+        resolve: (frame) => (frame ? resolve(Date.now() - started) : reject(new GatewayError("disconnected", "connection lost"))),
+        reject,
+      });
+      this._send({ type: "ping", id });
+    });
+  }
+
+  // --- chats -------------------------------------------------------------------------
+
+  _chat(chatId, create = true) {
+    let chat = this._chats.get(chatId);
+    if (!chat && create) {
+      chat = {
+        id: chatId,
+        want: "off", // what the app asked for: "live" or "off"
+        server: "none", // what this connection's gateway session has: none | live | buffering
+        epoch: null,
+        seq: null, // last durable seq handed to the app
+        subReq: null, // id of the subscribe request in flight
+        subMode: null, // since | buffer | again | fresh
+        waiters: [],
+        snapshot: null,
+      };
+      this._chats.set(chatId, chat);
+    }
+    return chat;
+  }
+
+  /** The resume point of a chat: {seq, epoch}, or null when unknown. */
+  position(chatId) {
+    const chat = this._chats.get(chatId);
+    return chat && chat.epoch != null && chat.seq != null ? { seq: chat.seq, epoch: chat.epoch } : null;
+  }
+
+  /** Chats the app wants live. */
+  get subscriptions() {
+    return [...this._chats.values()].filter((c) => c.want === "live").map((c) => c.id);
+  }
+
+  /**
+   * Subscribe to a chat; resolves with the `subscribed` frame (or null if the app unsubscribed
+   * first). `since` (say, after loading history over HTTP) sets the resume point; without it
+   * the client picks: drain this connection's buffer, resume from the remembered position,
+   * or start live.
+   */
+  subscribe(chatId, options = {}) {
+    const chat = this._chat(chatId);
+    const since = options.since ?? null;
+    if (since) {
+      chat.epoch = since.epoch;
+      chat.seq = since.seq;
+    }
+    const already = chat.want === "live";
+    chat.want = "live";
+    const promise = new Promise((resolve, reject) => chat.waiters.push({ resolve, reject }));
+    if (this.connected && (!already || since || !chat.subReq)) this._sendSubscribe(chat, since);
+    return promise;
+  }
+
+  _sendSubscribe(chat, since) {
+    let mode;
+    if (since) mode = "since";
+    else if (chat.server === "buffering") mode = "buffer";
+    else if (chat.server === "live") mode = "again";
+    else if (chat.epoch != null && chat.seq != null) {
+      mode = "since";
+      since = { seq: chat.seq, epoch: chat.epoch };
+    } else mode = "fresh";
+    const id = this._nextId++;
+    chat.subReq = id;
+    chat.subMode = mode;
+    chat.server = "live";
+    const frame = { type: "subscribe", chat_id: chat.id, id };
+    if (since) frame.since = { seq: since.seq, epoch: since.epoch };
+    this._pending.set(id, { kind: "subscribe", chatId: chat.id, frame });
+    this._send(frame);
+  }
+
+  _onSubscribed(frame) {
+    const req = frame.id != null ? this._pending.get(frame.id) : null;
+    if (req) this._pending.delete(frame.id);
+    const chat = this._chats.get(frame.chat_id);
+    if (!chat) return; // left meanwhile
+    if (frame.id != null && chat.subReq != null && frame.id !== chat.subReq) return; // superseded
+    const mode = chat.subMode ?? "again";
+    chat.subReq = null;
+    chat.subMode = null;
+    chat.snapshot = frame.snapshot ?? null;
+    if (frame.recovered === false) {
+      // Nothing was replayed: the app must reload history; live frames continue from here.
+      chat.epoch = frame.epoch;
+      chat.seq = frame.seq;
+    } else if (chat.epoch !== frame.epoch) {
+      // First sight of this chat (or of a new incarnation of it): live from now.
+      chat.epoch = frame.epoch;
+      chat.seq = frame.seq;
+    } else if (chat.seq == null) {
+      chat.seq = frame.seq;
+    }
+    // "since", "buffer", "again": the replayed, buffered or live frames move chat.seq on.
+    this._emit("subscribed", { chatId: chat.id, frame, mode });
+    if (frame.recovered === false) {
+      this._emit("recovery", {
+        chatId: chat.id, recovered: false, epoch: frame.epoch, seq: frame.seq, frame,
+      });
+    }
+    const waiters = chat.waiters;
+    chat.waiters = [];
+    for (const w of waiters) w.resolve(frame);
+  }
+
+  /**
+   * Stop receiving a chat's frames; the gateway buffers them for this connection, and the
+   * next subscribe() drains that buffer. Resolves when the gateway confirmed (or at once
+   * when not connected).
+   */
+  unsubscribe(chatId) {
+    const chat = this._chats.get(chatId);
+    if (!chat || chat.want !== "live") return Promise.resolve(null);
+    chat.want = "off";
+    const waiters = chat.waiters;
+    chat.waiters = [];
+    for (const w of waiters) w.resolve(null);
+    if (!this.connected || chat.server !== "live") return Promise.resolve(null);
+    chat.server = "buffering";
+    chat.subReq = null;
+    chat.subMode = null;
+    return this._request({ type: "unsubscribe", chat_id: chatId }, "unsubscribe");
+  }
+
+  /** Stop receiving a chat and forget it (its buffer and resume point too). */
+  leave(chatId) {
+    const chat = this._chats.get(chatId);
+    if (!chat) return Promise.resolve(null);
+    this._chats.delete(chatId);
+    for (const w of chat.waiters) w.resolve(null);
+    if (!this.connected || chat.server === "none") return Promise.resolve(null);
+    return this._request({ type: "leave", chat_id: chatId }, "leave");
+  }
+
+  _request(frame, kind) {
+    return new Promise((resolve, reject) => {
+      const id = this._nextId++;
+      this._pending.set(id, { kind, chatId: frame.chat_id, resolve, reject, frame });
+      this._send({ ...frame, id });
+    });
+  }
+
+  // --- messages and cancels (the outbox) --------------------------------------------
+
+  /**
+   * Post a user message; resolves with the `ack` (`duplicate: true` when a retry found the
+   * first attempt stored). Queued while disconnected; retried with the same client_msg_id.
+   */
+  sendMessage(chatId, text, options = {}) {
+    const frame = {
+      type: "message", chat_id: chatId, text,
+      client_msg_id: options.clientMsgId ?? newClientMsgId(),
+    };
+    if (options.data != null) frame.data = options.data;
+    return this._enqueue("message", frame);
+  }
+
+  /** Ask the agent to stop the running turn (of `turnId`, if given); resolves with the ack. */
+  cancel(chatId, turnId) {
+    const frame = { type: "cancel", chat_id: chatId };
+    if (turnId) frame.turn_id = turnId;
+    return this._enqueue("cancel", frame);
+  }
+
+  _enqueue(kind, frame) {
+    return new Promise((resolve, reject) => {
+      const entry = { kind, frame, resolve, reject, reqId: null, attempts: 0 };
+      this._outbox.push(entry);
+      if (this.connected) this._sendEntry(entry);
+    });
+  }
+
+  _sendEntry(entry) {
+    if (entry.reqId != null) this._pending.delete(entry.reqId);
+    const id = this._nextId++;
+    entry.reqId = id;
+    entry.attempts++;
+    this._pending.set(id, { kind: entry.kind, chatId: entry.frame.chat_id, entry });
+    this._send({ ...entry.frame, id });
+  }
+
+  _settle(entry) {
+    const i = this._outbox.indexOf(entry);
+    if (i >= 0) this._outbox.splice(i, 1);
+    if (entry.reqId != null) this._pending.delete(entry.reqId);
+  }
+
+  // --- inbound -----------------------------------------------------------------------
+
+  _onFrame(frame) {
+    switch (frame.type) {
+      case "hello":
+        this._onHello(frame);
+        return;
+      case "subscribed":
+        this._onSubscribed(frame);
+        return;
+      case "unsubscribed":
+      case "left":
+      case "pong": {
+        const req = frame.id != null ? this._pending.get(frame.id) : null;
+        if (req) {
+          this._pending.delete(frame.id);
+          req.resolve?.(frame);
+        }
+        return;
+      }
+      case "ack":
+        this._onAck(frame);
+        return;
+      case "error":
+        this._onError(frame);
+        return;
+      case "conversation":
+        this._emit("conversation", frame);
+        return;
+      default:
+        if (!REPLY_TYPES.has(frame.type) && typeof frame.chat_id === "string") this._onEvent(frame);
+    }
+  }
+
+  _onHello(frame) {
+    clearTimeout(this._timer);
+    this._timer = null;
+    this._hello = frame;
+    this._attempt = 0;
+    this._lastClose = null;
+    this._startHeartbeat(frame.heartbeat_interval);
+    this._setState("open", { connectionId: frame.connection_id });
+    this._emit("hello", frame);
+    // Resume: resubscribe every chat the app wants (with `since` where known), then flush
+    // queued messages and cancels, in the order the app made them.
+    for (const chat of this._chats.values()) {
+      if (chat.want === "live") this._sendSubscribe(chat, null);
+    }
+    for (const entry of [...this._outbox]) this._sendEntry(entry);
+  }
+
+  _onAck(frame) {
+    const req = frame.id != null ? this._pending.get(frame.id) : null;
+    this._emit("ack", frame);
+    if (!req) return;
+    this._pending.delete(frame.id);
+    if (req.entry) {
+      this._settle(req.entry);
+      req.entry.resolve(frame);
+    } else {
+      req.resolve?.(frame);
+    }
+  }
+
+  _onError(frame) {
+    this._emit("error", frame);
+    if (frame.code === "rate_limited" && frame.id == null) {
+      // The gateway dropped a frame without reading it: resend whatever still waits for an
+      // answer (messages are idempotent by client_msg_id; subscribes are safe to repeat).
+      if (!this._retryTimer) {
+        this._retryTimer = setTimeout(() => {
+          this._retryTimer = null;
+          this._resendUnanswered();
+        }, this._rateLimitRetry);
+      }
+      return;
+    }
+    const req = frame.id != null ? this._pending.get(frame.id) : null;
+    if (!req) return;
+    this._pending.delete(frame.id);
+    const error = new GatewayError(frame.code, frame.message, frame);
+    if (req.entry) {
+      const entry = req.entry;
+      this._settle(entry);
+      if (entry.kind === "cancel" && entry.attempts > 1
+          && (frame.code === "no_active_turn" || frame.code === "turn_mismatch")) {
+        entry.resolve(null); // an earlier attempt got through before the connection dropped
+      } else {
+        entry.reject(error);
+      }
+      return;
+    }
+    if (req.kind === "subscribe") {
+      const chat = this._chats.get(req.chatId);
+      if (chat && chat.subReq === frame.id) {
+        // forbidden, not_found, too_many_subscriptions: the gateway holds no subscription.
+        this._chats.delete(req.chatId);
+        for (const w of chat.waiters) w.reject(error);
+      }
+      return;
+    }
+    req.reject?.(error);
+  }
+
+  _resendUnanswered() {
+    if (!this.connected) return;
+    for (const chat of this._chats.values()) {
+      if (chat.subReq != null && chat.want === "live") {
+        this._pending.delete(chat.subReq);
+        const mode = chat.subMode;
+        const since = mode === "since" ? { seq: chat.seq, epoch: chat.epoch } : null;
+        if (mode === "buffer") chat.server = "buffering";
+        else if (mode === "fresh") chat.server = "none";
+        this._sendSubscribe(chat, since);
+      }
+    }
+    for (const entry of [...this._outbox]) this._sendEntry(entry);
+  }
+
+  _onEvent(frame) {
+    const chat = this._chats.get(frame.chat_id);
+    if (!chat) return; // left, or never subscribed
+    if (frame.type === "deleted") {
+      // The conversation is gone and the gateway ended the subscription.
+      this._chats.delete(chat.id);
+      for (const w of chat.waiters) w.resolve(null);
+      this._emit("event", frame);
+      return;
+    }
+    if (frame.seq == null) {
+      this._emit("event", frame); // ephemeral: never replayed, nothing to de-duplicate
+      return;
+    }
+    if (chat.seq != null) {
+      if (frame.seq <= chat.seq) {
+        this.duplicatesDropped++;
+        return;
+      }
+      if (frame.seq > chat.seq + 1) {
+        if (chat.subReq != null && chat.subMode === "since") return; // the replay covers it
+        if (chat.want === "live" && this.connected) {
+          // A hole: ask for it (and everything after it) again rather than skip it.
+          this._emit("gap", { chatId: chat.id, expected: chat.seq + 1, got: frame.seq });
+          this._sendSubscribe(chat, { seq: chat.seq, epoch: chat.epoch });
+          return;
+        }
+      }
+    }
+    chat.seq = frame.seq;
+    this._emit("event", frame);
+  }
+}
+
+export default GatewayClient;
