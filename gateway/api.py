@@ -154,10 +154,7 @@ async def create_conversation(request: Request) -> Response:
     who = _principal(request)
     spec = await _body(request, NewConversation)
     chat_id = spec.chat_id or "c_" + secrets.token_hex(8)
-    gateway = _gateway(request)
-    if await gateway.store.meta(chat_id) is not None:
-        raise Rejected("conflict", f"conversation {chat_id!r} already exists")
-    await gateway.conversations.create(who, chat_id, spec.title)
+    await _gateway(request).conversations.create(who, chat_id, spec.title)
     meta = await _owned(request, who, chat_id)
     return JSONResponse(conversation_view(chat_id, meta), status_code=201)
 

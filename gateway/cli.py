@@ -159,7 +159,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
-    except GatewayError as exc:
+    except (GatewayError, OSError) as exc:  # OSError: the --since epoch lookup over HTTP
         print(f"gateway tail: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -134,12 +134,20 @@ class Conversations:
             writer=who.writer(),
         )
 
-    async def create(self, who: Principal, chat_id: str, title: str | None) -> Published:
-        events = []
-        if title is not None:
-            events.append(OutEvent("title", clean_title(title).encode(), True, "user"))
-        return await self.store.publish(chat_id, events, create_owner=who.user_id,
-                                        writer=who.writer())
+    async def create(self, who: Principal, chat_id: str, title: str | None) -> None:
+        """Create a conversation owned by ``who``; ``conflict`` if the id is taken."""
+        clean = clean_title(title) if title is not None else None
+        try:
+            result = await self.store.publish(chat_id, [], create_owner=who.user_id,
+                                              writer=who.user_id)
+        except Rejected as exc:
+            if exc.code != "forbidden":
+                raise
+            result = None
+        if result is None or not result.created:
+            raise Rejected("conflict", f"conversation {chat_id!r} already exists")
+        if clean is not None:
+            await self.rename(who, chat_id, clean)
 
     async def rename(self, who: Principal, chat_id: str, title: str) -> Published:
         return await self.store.publish(

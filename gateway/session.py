@@ -201,6 +201,10 @@ class Session:
             message = await receive()
             if message["type"] == "websocket.disconnect":
                 return
+            if self._closing:
+                # Closed by us (4008, 4011, 4029...) but the close frame has not reached the
+                # peer yet: what it still sends must not act (no writes after 4011 or 4008).
+                continue
             data = message.get("bytes") or (message.get("text") or "").encode()
             if not self._admit():
                 continue

@@ -80,6 +80,7 @@ class Published(msgspec.Struct, frozen=True):
     duplicate: bool
     ts: int
     note: str
+    created: bool = False
 
 
 class Meta(msgspec.Struct, frozen=True):
@@ -180,6 +181,7 @@ class Store:
             duplicate=fields[5] == "1",
             ts=int(fields[6]),
             note=fields[8] if len(fields) > 8 else "",
+            created=len(fields) > 9 and fields[9] == "1" and fields[5] != "1",
         )
         if fields[7] == "1" and not result.duplicate:
             # The conversation list lives under the user's key, another cluster slot, so

@@ -61,7 +61,7 @@ class GatewayProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> GatewayProcess:
-        log = open(Path(self.env["GATEWAY_DATA_DIR"]) / f"gateway-{self.port}.log", "ab")  # noqa: SIM115
+        log = open(Path(self.env["GATEWAY_DATA_DIR"]) / f"gateway-{self.port}.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve", "--log-level", "warning", *self.args],
             env=self.env, stdout=log, stderr=subprocess.STDOUT,

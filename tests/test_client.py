@@ -32,7 +32,7 @@ from gateway.client import (
 pytestmark = pytest.mark.anyio
 
 T = TypeVar("T")
-FAST = {"backoff_base": 0.05, "backoff_max": 0.5}
+FAST: dict[str, Any] = {"backoff_base": 0.05, "backoff_max": 0.5}
 
 
 async def publish(gw: Any, chat_id: str, *events: dict[str, Any]) -> Any:
@@ -140,7 +140,7 @@ async def test_subscribe_message_cancel_feed(gateway: Any, user: str, chat_id: s
 
         # The conversation feed: created, then running, then idle again.
         feed = client.feed()
-        statuses = []
+        statuses: list[str] = []
         async with asyncio.timeout(10):
             while not statuses or statuses[-1] != "idle" or len(statuses) < 3:
                 frame = await anext(feed)
@@ -327,7 +327,7 @@ async def test_token_expiry_reconnects_with_a_fresh_token(gateway: Any, user: st
     async def token_factory() -> str:
         ttl = 2.0 if not issued.items else 3600.0  # the first one expires soon: 4011
         await issued.add(ttl)
-        return gateway.token(user, ttl=ttl)
+        return str(gateway.token(user, ttl=ttl))
 
     async with GatewayClient(gateway.ws, token_factory=token_factory, **FAST) as client:
         sub = await client.subscribe(chat_id)
@@ -358,8 +358,8 @@ async def test_terminal_close_stops_with_an_error(gateway: Any, user: str,
     def token_factory() -> str:
         calls.append(1)
         if len(calls) == 1:
-            return gateway.token(user, ttl=2)
-        return issue_token("wrong-secret", user)
+            return str(gateway.token(user, ttl=2))
+        return issue_token("wrong-secret-" + "x" * 32, user)
 
     client = GatewayClient(gateway.ws, token_factory=token_factory, **FAST)
     async with client:

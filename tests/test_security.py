@@ -25,6 +25,8 @@ from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
 
+OTHER_SECRET = "not-the-gateway-secret-" + "0" * 32
+
 
 async def publish(gw: Any, chat_id: str, *events: dict[str, Any]) -> Any:
     async with httpx.AsyncClient(base_url=gw.http) as http:
@@ -134,7 +136,7 @@ async def test_missing_or_invalid_token_closes_4001(gateway: Any, user: str) -> 
     assert (await refused(gateway.ws))[0] == 4001
     code, reason = await refused(gateway.ws + "?token=not.a.jwt")
     assert code == 4001 and "invalid" in (reason or "")
-    forged = issue_token("some-other-secret", user)
+    forged = issue_token(OTHER_SECRET, user)
     assert (await refused(f"{gateway.ws}?token={forged}"))[0] == 4001
     code, reason = await refused(f"{gateway.ws}?token={gateway.token(user, ttl=-60)}")
     assert code == 4001 and "expired" in (reason or "")
@@ -142,7 +144,7 @@ async def test_missing_or_invalid_token_closes_4001(gateway: Any, user: str) -> 
     code, _ = await refused(gateway.ws, additional_headers={"Authorization": "Bearer junk"})
     assert code == 4001
     # A service role cannot be granted by a token signed with another key either.
-    forged = issue_token("some-other-secret", user, "service")
+    forged = issue_token(OTHER_SECRET, user, "service")
     assert (await refused(f"{gateway.ws}?token={forged}"))[0] == 4001
     # ...while the right token, in the header, is accepted.
     async with connect(gateway.ws, additional_headers=gateway.headers(user)) as ws:
@@ -260,6 +262,9 @@ async def test_slow_consumer_is_closed_4008_without_holding_up_the_room(
         assert [f["seq"] for f in got] == list(range(1, count + 1))
         await assert_usable(fast)
 
+        # Closed, even if it does not know yet: what it still sends is ignored.
+        await slow.send({"type": "message", "chat_id": chat_id, "text": "too late",
+                         "client_msg_id": "late"})
         # The slow client stays stalled a while longer: its close must still arrive, after
         # the frames already in flight, once it reads again.
         await asyncio.sleep(6)
@@ -273,6 +278,10 @@ async def test_slow_consumer_is_closed_4008_without_holding_up_the_room(
         assert slow.ws.close_reason == "slow consumer"
         assert seen == list(range(1, len(seen) + 1))  # a gapless prefix, then the close
         assert len(seen) < count
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        page = await http.get(f"/v1/conversations/{chat_id}/events?after={count}",
+                              headers=gw.headers(user))
+    assert page.json()["events"] == [] and page.json()["last_seq"] == count
 
 
 # --- 4011 -------------------------------------------------------------------------------

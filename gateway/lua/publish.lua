@@ -21,7 +21,7 @@
 --   title         data = the new title (raw), extra = source
 --
 -- Returns {"ok", epoch, seqs (comma list, "" for ephemeral), last_seq, owner, duplicate ("0"/"1"),
--- now (ms), feed ("1" when the conversation-list entry changed), note}
+-- now (ms), feed ("1" when the conversation-list entry changed), note, created ("1"/"0")}
 -- or {"err", code, message}. Every durable event is stored as entry "<seq>-0" and
 -- PUBLISHed as "<epoch>|<seq>|<frame>"; ephemeral ones as "||<frame>".
 
@@ -142,7 +142,7 @@ if feed then
 end
 
 local result = {'ok', m.epoch, table.concat(seqs, ','), tostring(seq), m.owner, '0',
-                tostring(now), feed and '1' or '0', note}
+                tostring(now), feed and '1' or '0', note, created and '1' or '0'}
 if idem then
   redis.call('SET', idem, cjson.encode(result), 'EX', tonumber(ARGV[4]))
 end
