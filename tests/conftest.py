@@ -83,7 +83,8 @@ class GatewayProcess:
         return {"Authorization": f"Bearer {self.token(sub, role)}"}
 
     def url(self, sub: str, role: str = "user", **query: str) -> str:
-        params = "&".join([f"token={self.token(sub, role)}", *(f"{k}={v}" for k, v in query.items())])
+        pairs = [f"token={self.token(sub, role)}", *(f"{k}={v}" for k, v in query.items())]
+        params = "&".join(pairs)
         return f"{self.ws}?{params}"
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

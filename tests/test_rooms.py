@@ -45,14 +45,20 @@ async def test_reconnect_replays_exactly_what_was_missed_while_publishing(
 ) -> None:
     stop = asyncio.Event()
     published: list[int] = []
+    progress = asyncio.Condition()
 
     async def publisher() -> None:
         n = 0
         while not stop.is_set():
             n += 1
             result = await publish(gateway, chat_id, {"type": "delta2", "data": {"n": n}})
-            published.extend(result["seqs"])
-            await asyncio.sleep(0)
+            async with progress:
+                published.extend(result["seqs"])
+                progress.notify_all()
+
+    async def published_at_least(count: int) -> None:
+        async with asyncio.timeout(10), progress:
+            await progress.wait_for(lambda: len(published) >= count)
 
     async with connect(gateway.url(user)) as ws:
         sub = await ws.subscribe(chat_id)
@@ -61,15 +67,13 @@ async def test_reconnect_replays_exactly_what_was_missed_while_publishing(
         first = await ws.events(chat_id, 5)
     seen = [f["seq"] for f in first]
     # Disconnected; the publisher keeps going.
-    while len(published) < seen[-1] + 20:
-        await asyncio.sleep(0.01)
+    await published_at_least(seen[-1] + 20)
     async with connect(gateway.url(user)) as ws:
         sub = await ws.subscribe(chat_id, since={"seq": seen[-1], "epoch": epoch})
         assert sub["recovered"] is True and sub["epoch"] == epoch
         missed = sub["seq"] - seen[-1]
         assert sub["replayed"] == missed >= 20
-        while len(published) < sub["seq"] + 20:
-            await asyncio.sleep(0.01)
+        await published_at_least(sub["seq"] + 20)
         stop.set()
         await task
         total = published[-1]
