@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from . import protocol as p
+from . import sse
 from .auth import AuthError, Principal, bearer, verify_token
 from .conversations import PublishBatch, PublishEvent
 from .errors import Rejected
@@ -253,5 +254,5 @@ routes = [
     Route("/v1/conversations/{chat_id}", delete_conversation, methods=["DELETE"]),
     Route("/v1/conversations/{chat_id}/events", publish_events, methods=["POST"]),
     Route("/v1/conversations/{chat_id}/events", history, methods=["GET"]),
-    Route("/v1/conversations/{chat_id}/stream", __import__("gateway.sse").sse.stream),
+    Route("/v1/conversations/{chat_id}/stream", sse.stream),
 ]
