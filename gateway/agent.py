@@ -239,7 +239,7 @@ class AgentWorker:
 
     def __init__(self, redis: aioredis.Redis, settings: Settings, handler: Handler, *,
                  group: str = "agents", consumer: str | None = None, concurrency: int = 16,
-                 claim_idle: float = 30.0, start_id: str = "0", block: float = 5.0,
+                 claim_idle: float = 30.0, start_id: str = "0", block: float = 2.0,
                  accept: Callable[[str], bool] | None = None) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -255,7 +255,12 @@ class AgentWorker:
         self.concurrency = concurrency
         self.claim_idle = claim_idle
         self.start_id = start_id
-        self.block = block
+        # A blocking read must return before the client's socket timeout (redis-py >= 6
+        # defaults to 5 s) or it fails as a timeout.
+        socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+        if socket_timeout:
+            block = min(block, socket_timeout / 2)
+        self._block_ms = max(10, int(block * 1000))
         self.accept = accept
         self.keys = [inbox_key(n) for n in range(settings.inbox_partitions)]
         self.stats = {"handled": 0, "failed": 0, "skipped": 0, "reclaimed": 0, "cancels": 0}
@@ -268,6 +273,7 @@ class AgentWorker:
         self._loops: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._stop_task: asyncio.Task[None] | None = None
+        self._closing = False
         self._started = False
         self.error: BaseException | None = None  # why a loop died, if one did
 
@@ -311,17 +317,11 @@ class AgentWorker:
         await asyncio.shield(self._stop_task)
 
     async def _stop(self, grace: float) -> None:
-        current = asyncio.current_task()
-        for task in self._loops:
-            if task is not current:
-                task.cancel()
-        await asyncio.gather(*(t for t in self._loops if t is not current),
-                             return_exceptions=True)
+        self._closing = True
+        await _cancel_and_wait(self._loops, every=0.05)
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await _cancel_and_wait(pending, every=0.5)
         if self._started:
             with contextlib.suppress(RedisError, OSError):
                 await self._forget_consumer()
@@ -374,14 +374,14 @@ class AgentWorker:
     async def _read_loop(self) -> None:
         streams: dict[Any, Any] = {key: ">" for key in self.keys}
         backoff = 0.1
-        while True:
+        while not self._closing:
             await self._wait_capacity()
             free = self.concurrency - len(self._inflight)
             # COUNT is per stream: the total may pass ``free`` by at most one per partition.
             count = max(1, free // len(self.keys))
             try:
                 reply = await self.redis.xreadgroup(self.group, self.consumer, streams,
-                                                    count=count, block=int(self.block * 1000))
+                                                    count=count, block=self._block_ms)
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -434,10 +434,10 @@ class AgentWorker:
     async def _watch_cancels(self, last: dict[str, str]) -> None:
         """Tail every partition (outside the group) for cancels of turns running here."""
         backoff = 0.1
-        while True:
+        while not self._closing:
             try:
                 reply = await self.redis.xread(last, count=500,  # type: ignore[arg-type]
-                                               block=int(self.block * 1000))
+                                               block=self._block_ms)
             except (RedisError, OSError) as exc:
                 log.warning("watching for cancels: %s; retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
@@ -458,7 +458,7 @@ class AgentWorker:
         """Keep our pending entries fresh; take over entries idle past ``claim_idle``."""
         interval = max(0.05, min(self.claim_idle / 3, 5.0))
         cursors = dict.fromkeys(self.keys, "0-0")
-        while True:
+        while not self._closing:
             await asyncio.sleep(interval)
             try:
                 await self._heartbeat()
@@ -555,6 +555,24 @@ class AgentWorker:
             self.stats["handled"] += 1
         finally:
             self._turns.pop(ident, None)
+
+
+async def _cancel_and_wait(tasks: Iterable[asyncio.Task[None]], every: float,
+                           patience: float = 10.0) -> None:
+    """Cancel ``tasks`` and wait for them, cancelling again every ``every`` seconds.
+
+    Once is not always enough on Python 3.11: its ``asyncio.wait_for`` (which redis-py
+    uses around socket writes) drops a cancel that arrives as the wrapped call completes.
+    """
+    pending = set(tasks)
+    deadline = asyncio.get_running_loop().time() + patience
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=every)
+        if pending and asyncio.get_running_loop().time() > deadline:
+            log.warning("%d agent tasks did not stop: %s", len(pending), pending)
+            return
 
 
 def _cancel_requested(frames: list[tuple[int, bytes]], turn_id: str) -> bool:
