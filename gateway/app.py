@@ -15,6 +15,7 @@ from starlette.websockets import WebSocket
 
 from . import api, web
 from . import protocol as p
+from .agent import AgentWorker, run_in_process
 from .auth import AuthError, bearer, verify_token
 from .closecodes import FORBIDDEN, SERVER_RESTART, TOO_MANY, UNAUTHORIZED
 from .config import ConfigError, Settings, load_settings
@@ -51,11 +52,14 @@ class Gateway:
         self.conversations = Conversations(self.store, settings)
         self.sessions: dict[str, set[Session]] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self.agent: AgentWorker | None = None
 
     async def start(self) -> None:
         await self.redis.ping()
         await self.hub.start()
         self._sweeper = asyncio.create_task(self.conversations.run_turn_sweeper())
+        if self.settings.demo_agent:
+            self.agent = await run_in_process(self)
 
     async def stop(self) -> None:
         for sessions in list(self.sessions.values()):
@@ -63,6 +67,8 @@ class Gateway:
                 session.close(SERVER_RESTART, "server restarting")
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self.agent is not None:
+            await self.agent.stop(grace=3)
         # Give the close frames a moment to leave before the sockets go.
         with contextlib.suppress(Exception):
             await asyncio.sleep(0.05)

@@ -60,6 +60,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         embedded = EmbeddedRedis(data_path(settings))
         os.environ["GATEWAY_REDIS_URL"] = embedded.start()
         print(f"embedded server: {embedded.url} (data in {embedded.data_dir})", flush=True)
+    if embedded is not None or settings.dev:
+        # A complete product out of the box: the demo agent answers unless told not to.
+        os.environ.setdefault("GATEWAY_DEMO_AGENT", "1")
     # The embedded default and dev mode keep a generated secret in the data dir.
     os.environ["GATEWAY_SECRET"] = _secret(settings, create=embedded is not None or settings.dev)
     for name in ("host", "port", "data_dir"):
@@ -80,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws_ping_interval=settings.heartbeat, ws_ping_timeout=settings.heartbeat,
             ws_per_message_deflate=False, log_level=args.log_level, lifespan="on",
             timeout_graceful_shutdown=5,
+            access_log=False,  # query strings carry tokens (browsers cannot set headers)
         )
     finally:
         if embedded is not None:

@@ -23,6 +23,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8000
     data_dir: str = ".gateway"
     dev: bool = False  # dev mode: prints a token, serves the demo page
+    demo_agent: bool = False  # run the demo agent inside the gateway (embedded default, dev)
     auto_create: bool = True  # subscribe/message to an unknown chat creates it
 
     turn_timeout: float = 300.0  # seconds before the gateway ends a silent turn
