@@ -33,7 +33,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -41,10 +43,10 @@ from websockets.asyncio.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.auth import issue_token  # noqa: E402
-from gateway.config import Settings  # noqa: E402
-from gateway.embedded import EmbeddedRedis  # noqa: E402
-from gateway.store import OutEvent, Store  # noqa: E402
+from gateway.auth import issue_token
+from gateway.config import Settings
+from gateway.embedded import EmbeddedRedis
+from gateway.store import OutEvent, Store
 
 CHAT_ID = "bench-room"
 OWNER = "bench-owner"
@@ -79,15 +81,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_gateway(redis_url: str, secret: str, port: int, data_dir: Path) -> subprocess.Popen[bytes]:
+def start_gateway(redis_url: str, secret: str, port: int,
+                  data_dir: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     env.update({"GATEWAY_REDIS_URL": redis_url, "GATEWAY_SECRET": secret,
                 "GATEWAY_PORT": str(port), "GATEWAY_DATA_DIR": str(data_dir)})
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     with open(data_dir / "gateway.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--log-level", "warning"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--log-level", "warning"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -103,8 +108,10 @@ def start_gateway(redis_url: str, secret: str, port: int, data_dir: Path) -> sub
 
 async def subscriber(index: int, url: str, binary: bool, events: int, stats: Stats,
                      ready: asyncio.Event, counter: list[int]) -> None:
-    decode = (msgspec.msgpack.Decoder(Event) if binary else msgspec.json.Decoder(Event)).decode
-    encode = msgspec.msgpack.encode if binary else (lambda f: msgspec.json.encode(f).decode())
+    decode: Callable[[Any], Event] = (
+        msgspec.msgpack.Decoder(Event) if binary else msgspec.json.Decoder(Event)).decode
+    encode: Callable[[Any], Any] = (
+        msgspec.msgpack.encode if binary else (lambda f: msgspec.json.encode(f).decode()))
     protocols = ["gateway.v1.msgpack"] if binary else ["gateway.v1.json"]
     async with connect(url, compression=None, max_size=None, subprotocols=protocols,  # type: ignore[arg-type]
                        open_timeout=30) as ws:
@@ -219,7 +226,7 @@ async def run(args: argparse.Namespace, redis_url: str, port: int, secret: str,
     expected = args.subscribers * args.events
     wall = (stats.last_recv or time.perf_counter()) - stats.first_send
     ordered = sorted(stats.latencies)
-    ms = [1000 * percentile(ordered, q) for q in (0.5, 0.9, 0.99)] + [1000 * (ordered[-1] if ordered else 0)]
+    ms = [1000 * percentile(ordered, q) for q in (0.5, 0.9, 0.99, 1.0)]
     fmt = "msgpack" if args.msgpack else "json"
     kind = "ephemeral" if args.ephemeral else "durable"
     rate = f"{args.rate:g}/s" if args.rate > 0 else "unthrottled"
@@ -235,6 +242,9 @@ async def run(args: argparse.Namespace, redis_url: str, port: int, secret: str,
                     f"{wall:.2f} s)"),
         ("latency", "p50 {:.2f} ms   p90 {:.2f} ms   p99 {:.2f} ms   max {:.2f} ms".format(*ms)),
     ]
+    with contextlib.suppress(OSError):
+        rows.append(("host", f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
+                             "(other work on the machine skews the latency tail)"))
     if cpu:
         rows.append(("cpu", "   ".join(f"{name} {seconds:.1f} s ({seconds / wall:.0%})"
                                        for name, seconds in cpu.items())))
@@ -261,13 +271,11 @@ def main() -> int:
                         help="seconds to wait for deliveries after the last publish")
     args = parser.parse_args()
 
-    if True:
-        tmp = tempfile.mkdtemp(prefix="gw-bench-")
-        print(tmp)
+    with tempfile.TemporaryDirectory(prefix="gw-bench-") as tmp:
         data_dir = Path(tmp)
         server = EmbeddedRedis(data_dir / "redis", persistent=False)
         server.start()
-        gateway = None
+        gateway, code = None, 1
         try:
             secret = secrets.token_hex(16)
             port = free_port()
@@ -275,7 +283,7 @@ def main() -> int:
             assert server.process is not None
             pids = {"gateway": gateway.pid, "redis": server.process.pid,
                     "bench client": os.getpid()}
-            return asyncio.run(run(args, server.url, port, secret, pids))
+            code = asyncio.run(run(args, server.url, port, secret, pids))
         finally:
             if gateway is not None and gateway.poll() is None:
                 gateway.send_signal(signal.SIGTERM)
@@ -285,6 +293,11 @@ def main() -> int:
                     gateway.kill()
                     gateway.wait()
             server.stop()
+            log = (data_dir / "gateway.log").read_text(errors="replace").strip()
+            if code != 0 and log:
+                print("gateway log (last 40 lines):\n" + "\n".join(log.splitlines()[-40:]),
+                      file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
