@@ -153,11 +153,13 @@ async def test_pubsub_loss_is_repaired_from_the_stream(gateway: Any, redis_url: 
 
 
 class Serve:
-    """``python -m gateway serve --dev --data-dir DIR`` with no GATEWAY_* settings at all."""
+    """``python -m gateway serve --dev --data-dir DIR`` with no GATEWAY_* settings but one:
+    the demo agent is off, so the test alone decides what the conversation holds."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        self.env["GATEWAY_DEMO_AGENT"] = "0"
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
 

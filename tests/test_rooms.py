@@ -101,8 +101,8 @@ async def test_recovery_fails_explicitly_on_trimmed_history(start_gateway: Any, 
     gw = start_gateway(history_maxlen=5)
     async with connect(gw.url(user)) as ws:
         sub = await ws.subscribe(chat_id)
-    for i in range(300):  # approximate trimming needs a few hundred entries to bite
-        await publish(gw, chat_id, {"type": "note", "data": {"i": i}})
+    # Approximate trimming needs a few hundred entries to bite.
+    await publish(gw, chat_id, *({"type": "note", "data": {"i": i}} for i in range(300)))
     async with connect(gw.url(user)) as ws:
         sub = await ws.subscribe(chat_id, since={"seq": 0, "epoch": sub["epoch"]})
         assert sub["seq"] == 300
