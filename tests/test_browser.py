@@ -48,11 +48,16 @@ def browser_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server.stop()
 
 
-def start_demo_gateway(start_gateway: Any, redis_url: str) -> GatewayProcess:
+def start_demo_gateway(start_gateway: Any, redis_url: str, **settings: Any) -> GatewayProcess:
+    """A dev-mode gateway serving the page, whose origin it allows.
+
+    Its in-process demo agent is off: turns go to the ``agent`` process, which keeps working
+    while a test restarts the gateway.
+    """
     port = free_port()
     gw: GatewayProcess = start_gateway(
-        dev=1, turn_timeout=30, port=port, redis_url=redis_url,
-        allowed_origins=f"http://127.0.0.1:{port}",
+        dev=1, turn_timeout=30, port=port, redis_url=redis_url, demo_agent=0,
+        allowed_origins=f"http://127.0.0.1:{port}", **settings,
     )
     return gw
 
@@ -290,11 +295,7 @@ def test_switching_chats_mid_turn_keeps_the_reply_whole(page: Any, demo: Gateway
 
 def test_switching_back_after_the_buffer_overflowed(page: Any, start_gateway: Any,
                                                    browser_redis: str, user: str) -> None:
-    port = free_port()
-    gw: GatewayProcess = start_gateway(
-        dev=1, turn_timeout=30, port=port, redis_url=browser_redis, buffer_max_frames=5,
-        allowed_origins=f"http://127.0.0.1:{port}",
-    )
+    gw = start_demo_gateway(start_gateway, browser_redis, buffer_max_frames=5)
     open_app(page, gw, user)
     first = new_chat(page)
     send(page, "/slow")

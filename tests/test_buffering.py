@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from .test_rooms import publish
+from .publishing import publish
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio

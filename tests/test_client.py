@@ -29,19 +29,14 @@ from gateway.client import (
     TerminalError,
 )
 
+from .publishing import publish
+
 pytestmark = pytest.mark.anyio
 
 T = TypeVar("T")
 FAST: dict[str, Any] = {"backoff_base": 0.05, "backoff_max": 0.5}
 
 
-async def publish(gw: Any, chat_id: str, *events: dict[str, Any]) -> Any:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.post(f"/v1/conversations/{chat_id}/events",
-                               json={"events": list(events)},
-                               headers=gw.headers("agent", "service"))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 async def take(stream: AsyncIterator[T], count: int, seconds: float = 10.0) -> list[T]:

@@ -26,6 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.store import meta_key, stream_key
 
 from .conftest import free_port
+from .publishing import publish
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
@@ -33,13 +34,6 @@ pytestmark = pytest.mark.anyio
 Frame = dict[str, Any]
 
 
-async def publish(gw: Any, chat_id: str, *events: Frame) -> Any:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.post(f"/v1/conversations/{chat_id}/events",
-                               json={"events": list(events)},
-                               headers=gw.headers("agent", "service"))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 async def feed_frame(ws: Client, chat_id: str) -> Frame:

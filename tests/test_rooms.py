@@ -5,23 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import pytest
 
+from .publishing import publish
 from .wsclient import connect
 
 pytestmark = pytest.mark.anyio
 
 
-async def publish(gw: Any, chat_id: str, *events: dict[str, Any], key: str | None = None) -> Any:
-    body: dict[str, Any] = {"events": list(events)}
-    if key:
-        body["idempotency_key"] = key
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.post(f"/v1/conversations/{chat_id}/events", json=body,
-                               headers=gw.headers("agent", "service"))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 async def test_several_chats_multiplex_on_one_socket(gateway: Any, user: str) -> None:

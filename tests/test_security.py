@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from gateway.auth import issue_token
 from gateway.embedded import EmbeddedRedis
 
+from .publishing import publish
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
@@ -28,13 +29,6 @@ pytestmark = pytest.mark.anyio
 OTHER_SECRET = "not-the-gateway-secret-" + "0" * 32
 
 
-async def publish(gw: Any, chat_id: str, *events: dict[str, Any]) -> Any:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.post(f"/v1/conversations/{chat_id}/events",
-                               json={"events": list(events)},
-                               headers=gw.headers("agent", "service"))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def assert_error_body(resp: httpx.Response, status: int, code: str) -> None:

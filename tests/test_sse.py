@@ -17,6 +17,8 @@ import redis.asyncio as aioredis
 from gateway.hub import Frame
 from gateway.sse import StreamMember, format_event, parse_last_event_id
 
+from .publishing import publish
+
 pytestmark = pytest.mark.anyio
 
 Block = dict[str, Any]
@@ -108,13 +110,6 @@ async def create(gw: Any, chat_id: str, user: str) -> dict[str, Any]:
     return result
 
 
-async def publish(gw: Any, chat_id: str, *events: dict[str, Any]) -> Any:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.post(f"/v1/conversations/{chat_id}/events",
-                               json={"events": list(events)},
-                               headers=gw.headers("agent", "service"))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def seq_of(block: Block, epoch: str) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .test_rooms import publish
+from .publishing import publish
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio

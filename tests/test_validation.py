@@ -14,18 +14,12 @@ import httpx
 import msgspec
 import pytest
 
+from .publishing import publish
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
 
 
-async def publish(gw: Any, chat_id: str, *events: dict[str, Any]) -> Any:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.post(f"/v1/conversations/{chat_id}/events",
-                               json={"events": list(events)},
-                               headers=gw.headers("agent", "service"))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def error_of(resp: httpx.Response, status: int, code: str | None = None) -> str:
