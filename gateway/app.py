@@ -125,7 +125,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     handlers: Any = api.exception_handlers
     app = Starlette(
         routes=[*api.routes, WebSocketRoute("/v1/ws", websocket_endpoint),
-                *web.web_routes(settings.dev)],
+                *web.web_routes(dev=settings.dev)],
         exception_handlers=handlers,
         lifespan=lifespan,
     )

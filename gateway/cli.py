@@ -71,7 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ["GATEWAY_DEV"] = "1"
         token = issue_token(os.environ["GATEWAY_SECRET"], "dev", ttl=7 * 86400)
         url = f"ws://{settings.host}:{settings.port}/v1/ws?token={token}"
-        print(f"dev token (user 'dev', 7 days): {token}\nconnect: {url}", flush=True)
+        print(f"dev token (user 'dev', 7 days): {token}\nconnect: {url}\n"
+              f"open: http://{settings.host}:{settings.port}/?token={token}", flush=True)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal with the handler it
     # found installed: with the default one the process would die right there, skipping the
     # ``finally`` below that stops (and waits for) the embedded server. Exit cleanly instead.

@@ -37,11 +37,20 @@ _HEADERS = {
     "Cache-Control": "no-cache",
     "X-Content-Type-Options": "nosniff",
 }
+_CLIENT_HEADERS = {
+    **_HEADERS,
+    # Module scripts are fetched with CORS: let apps on other origins import the client.
+    "Access-Control-Allow-Origin": "*",
+}
 _PAGE_HEADERS = {
     **_HEADERS,
     # The page URL carries the token: keep it out of Referer headers.
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self' ws: wss:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
 }
 
 
@@ -61,9 +70,12 @@ def _routes(files: dict[str, tuple[str, str]], headers: dict[str, str]) -> list[
             for url, (name, kind) in files.items()]
 
 
-def web_routes(dev: bool = True) -> list[BaseRoute]:
-    """The JavaScript client's routes, plus the demo page's when ``dev`` is true."""
-    routes = _routes(CLIENT_FILES, _HEADERS)
+def web_routes(dev: bool = False) -> list[BaseRoute]:
+    """The JavaScript client's routes, plus the demo page's when ``dev`` is true.
+
+    The app adds ``*web_routes(dev=settings.dev)`` to its routes.
+    """
+    routes = _routes(CLIENT_FILES, _CLIENT_HEADERS)
     if dev:
         routes += _routes(DEMO_FILES, _PAGE_HEADERS)
     return routes

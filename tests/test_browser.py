@@ -225,10 +225,13 @@ def test_static_routes(demo: GatewayProcess, gateway: GatewayProcess) -> None:
     assert js.status_code == 200
     assert js.headers["content-type"].startswith("text/javascript")
     assert "export class GatewayClient" in js.text
+    assert js.headers["access-control-allow-origin"] == "*"  # importable from other origins
     dts = httpx.get(f"{demo.http}/static/gateway-client.d.ts")
     assert dts.status_code == 200 and "declare class GatewayClient" in dts.text
     page = httpx.get(f"{demo.http}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "content-security-policy" in page.headers
+    assert page.headers["referrer-policy"] == "no-referrer"  # the URL carries the token
     assert httpx.get(f"{demo.http}/static/app.js").headers["content-type"].startswith(
         "text/javascript")
     assert httpx.get(f"{demo.http}/static/app.css").headers["content-type"].startswith("text/css")

@@ -529,7 +529,14 @@ function renderChat() {
   $("stop").hidden = !running;
 }
 
+let countdown = null;
+
 function renderConnection(s) {
+  clearInterval(countdown);
+  if (s.state === "reconnecting" && s.retryAt) {
+    // Count down to the next attempt.
+    countdown = setInterval(() => renderConnection({ ...s, delay: s.retryAt - Date.now() }), 1000);
+  }
   const box = $("connection");
   box.dataset.state = s.state;
   const reasons = {
@@ -542,7 +549,8 @@ function renderConnection(s) {
     case "connecting": label = everConnected ? "Reconnecting…" : "Connecting…"; break;
     case "reconnecting": {
       const why = reasons[s.code] ? ` (${reasons[s.code]})` : "";
-      label = `Reconnecting in ${Math.max(1, Math.ceil((s.delay ?? 0) / 1000))} s${why}`;
+      const left = Math.ceil((s.delay ?? 0) / 1000);
+      label = left > 0 ? `Reconnecting in ${left} s${why}` : `Reconnecting…${why}`;
       break;
     }
     case "closed": label = `Disconnected${reasons[s.code] ? `: ${reasons[s.code]}` : ""}`; break;
