@@ -42,7 +42,7 @@ import secrets
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -52,9 +52,6 @@ from .config import Settings
 from .conversations import PublishEvent, to_out_event
 from .errors import Rejected
 from .store import Meta, Published, Store, inbox_key
-
-if TYPE_CHECKING:
-    from .app import Gateway
 
 log = logging.getLogger("gateway.agent")
 
@@ -600,20 +597,6 @@ def load_handler(spec: str) -> Handler:
         raise ValueError(f"{spec} is not callable")
     handler: Handler = target
     return handler
-
-
-async def run_in_process(gateway: Gateway, handler: Handler | None = None,
-                         **options: Any) -> AgentWorker:
-    """Start a worker inside a gateway process, on its Redis client (the demo agent unless
-    ``handler`` is given). Stop it with ``await worker.stop(grace)`` before the client
-    closes."""
-    if handler is None:
-        from .demo_agent import handle
-
-        handler = handle
-    worker = AgentWorker(gateway.redis, gateway.settings, handler, **options)
-    await worker.start()
-    return worker
 
 
 async def serve(handler: Handler, redis_url: str, settings: Settings, **options: Any) -> int:

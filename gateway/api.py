@@ -14,13 +14,13 @@ from starlette.routing import Route
 
 from . import protocol as p
 from . import sse
-from .auth import AuthError, Principal, bearer, verify_token
+from .auth import AuthError, Principal, bearer
 from .conversations import PublishBatch, PublishEvent
 from .errors import Rejected
 from .store import Meta
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .runtime import Gateway
 
 MAX_BODY_BYTES = 1 << 20
 T = TypeVar("T")
@@ -52,6 +52,30 @@ class PageQuery(msgspec.Struct, frozen=True):
     cursor: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
+class PublishBody(msgspec.Struct, frozen=True):
+    """``POST .../events``: one event (``type``...) or a batch (``events``), decoded in one
+    pass straight from the body."""
+
+    type: p.EventType | None = None
+    data: dict[str, Any] = {}
+    durable: bool = True
+    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
+    events: Annotated[list[PublishEvent], msgspec.Meta(min_length=1, max_length=500)] | None = None
+
+    def batch(self) -> PublishBatch:
+        if self.events is not None:
+            if self.type is not None:
+                raise Rejected("unprocessable", "give either `type` (one event) or `events`")
+            return PublishBatch(self.events, self.idempotency_key)
+        if self.type is None:
+            raise Rejected("unprocessable", "Object missing required field `type`")
+        one = PublishEvent(self.type, self.data, self.durable, self.idempotency_key)
+        return PublishBatch([one], self.idempotency_key)
+
+
+_publish_body = msgspec.json.Decoder(PublishBody).decode
+
+
 class HistoryQuery(msgspec.Struct, frozen=True):
     after: Annotated[int, msgspec.Meta(ge=0)] = 0
     limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
@@ -65,7 +89,7 @@ def _gateway(request: Request) -> Gateway:
 def _principal(request: Request) -> Principal:
     token = bearer(request.headers.get("authorization"), request.query_params.get("token"))
     try:
-        return verify_token(_gateway(request).settings.secret, token)
+        return _gateway(request).tokens.verify(token)
     except AuthError as exc:
         raise Rejected("unauthorized", str(exc)) from None
 
@@ -98,12 +122,14 @@ async def _read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
-    body = b""
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
             raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
-    return body
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _owned(request: Request, who: Principal, chat_id: str) -> Meta:
@@ -134,12 +160,7 @@ async def publish_events(request: Request) -> Response:
     chat_id = _chat_id(request)
     body = await _read_body(request)
     try:
-        raw = msgspec.json.decode(body)
-        if isinstance(raw, dict) and "events" in raw:
-            batch = msgspec.convert(raw, PublishBatch)
-        else:
-            one = msgspec.convert(raw, PublishEvent)
-            batch = PublishBatch([one], one.idempotency_key)
+        batch = _publish_body(body).batch()
     except msgspec.ValidationError as exc:
         raise Rejected("unprocessable", str(exc)) from None
     except msgspec.DecodeError as exc:

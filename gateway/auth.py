@@ -72,3 +72,32 @@ def bearer(authorization: str | None, query_token: str | None) -> str | None:
             return value.strip()
         return None
     return query_token or None
+
+
+class TokenCache:
+    """Verified tokens by token string, so a client's every request does not pay for HS256.
+
+    Bounded (the oldest entry goes first), and ``exp`` is checked again on every hit: a
+    cached token is refused the moment it expires, exactly as an uncached one would be.
+    Failures are not cached.
+    """
+
+    def __init__(self, secret: str, max_entries: int = 10_000) -> None:
+        self._secret = secret
+        self._max = max_entries
+        self._verified: dict[str, Principal] = {}
+
+    def verify(self, token: str | None) -> Principal:
+        if token:
+            principal = self._verified.get(token)
+            if principal is not None:
+                if principal.expires_at is not None and principal.expires_at <= time.time():
+                    del self._verified[token]
+                    raise AuthError("token expired")
+                return principal
+        principal = verify_token(self._secret, token)
+        assert token is not None  # verify_token refuses a missing token
+        if len(self._verified) >= self._max:
+            del self._verified[next(iter(self._verified))]
+        self._verified[token] = principal
+        return principal

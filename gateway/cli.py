@@ -48,10 +48,28 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def _loop() -> str:
+    """uvloop where it exists (not on Windows): the fan-out and the publish path lean on it."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def _http() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .embedded import EmbeddedRedis
+    from .transport.uvicorn_ws import GatewayWebSocketProtocol, check_compatible
 
     settings = load_settings(redis_url=args.redis_url, data_dir=args.data_dir, host=args.host,
                              port=args.port, dev=args.dev or None)
@@ -77,10 +95,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # found installed: with the default one the process would die right there, skipping the
     # ``finally`` below that stops (and waits for) the embedded server. Exit cleanly instead.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    check_compatible()  # fail at start, not on the first connection, after a uvicorn upgrade
     try:
         uvicorn.run(
             "gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
-            workers=args.workers, ws="websockets-sansio", ws_max_size=settings.max_frame_bytes,
+            workers=args.workers, loop=_loop(), http=_http(),
+            ws=GatewayWebSocketProtocol, ws_max_size=settings.max_frame_bytes,
             ws_ping_interval=settings.heartbeat, ws_ping_timeout=settings.heartbeat,
             ws_per_message_deflate=False, log_level=args.log_level, lifespan="on",
             timeout_graceful_shutdown=5,

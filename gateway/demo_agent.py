@@ -1,9 +1,9 @@
 """The demo agent: enough behaviour to exercise every agent-UI frame without a model.
 
-Run it with ``gateway agent gateway.demo_agent:handle`` (or in-process, see
-:func:`gateway.agent.run_in_process`). It answers every message by streaming the answer word
-by word as ephemeral ``delta`` frames, then one durable ``message`` with the full text, and
-ends the turn. Commands:
+Run it with ``gateway agent gateway.demo_agent:handle`` (or in-process: the embedded default
+and dev mode start it inside the gateway, see :class:`gateway.runtime.Gateway`). It answers
+every message by streaming the answer word by word as ephemeral ``delta`` frames, then one
+durable ``message`` with the full text, and ends the turn. Commands:
 
 - ``/goal <objective>``: start a goal (``goal_state`` active);
 - ``/done``: complete the active goal (``goal_state`` inactive, ``status: complete``, a recap);

@@ -2,7 +2,16 @@
 
 Every published event reaches each gateway process once, over a single Redis pub/sub
 connection. The hub turns it into a :class:`Frame` (the JSON bytes as stored; the
-MessagePack form made on first use) and hands the same object to every local member.
+MessagePack form and the complete WebSocket frames made on first use) and hands the same
+object to every local member.
+
+Fan-out has two lanes. A connection that is live in a room, at the room's position, with
+nothing held back, sits in the room's *direct set*: the hub writes the prebuilt WebSocket
+frame straight to its transport, one ``write`` call per member and nothing else. Every
+other member (syncing, buffering, paused by backpressure, SSE, the ASGI fallback) gets
+``deliver`` and decides for itself. A member leaves the direct set before anything that
+would make a direct write wrong (a pause, an unsubscribe, a close) and takes the room's
+position with it; it rejoins only at the room's current position.
 
 Durable frames carry ``(epoch, seq)``. A room remembers the last seq it delivered; a frame
 that jumps ahead means pub/sub lost something (a reconnect, a failover), so the room fetches
@@ -15,13 +24,15 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .store import Store, feed_channel, room_channel
+from .store import History, Store, feed_channel, room_channel
+from .transport.frames import binary_frame, text_frame
 
 log = logging.getLogger("gateway.hub")
 
@@ -32,13 +43,15 @@ _msgpack_encode = msgspec.msgpack.encode
 class Frame:
     """One server frame, encoded once per process whatever the number of recipients."""
 
-    __slots__ = ("_msgpack", "_text", "json", "seq")
+    __slots__ = ("_msgpack", "_text", "_wire_binary", "_wire_text", "json", "seq")
 
     def __init__(self, json: bytes, seq: int | None = None) -> None:
         self.json = json
         self.seq = seq
         self._text: str | None = None
         self._msgpack: bytes | None = None
+        self._wire_text: bytes | None = None
+        self._wire_binary: bytes | None = None
 
     @property
     def text(self) -> str:
@@ -53,12 +66,29 @@ class Frame:
         return self._msgpack
 
     @property
+    def wire_text(self) -> bytes:
+        """The complete WebSocket text frame, for every JSON connection."""
+        if self._wire_text is None:
+            self._wire_text = text_frame(self.json)
+        return self._wire_text
+
+    @property
+    def wire_binary(self) -> bytes:
+        """The complete WebSocket binary frame, for every MessagePack connection."""
+        if self._wire_binary is None:
+            self._wire_binary = binary_frame(self.msgpack)
+        return self._wire_binary
+
+    @property
     def size(self) -> int:
         return len(self.json)
 
     @property
     def is_deleted(self) -> bool:
         return self.json.startswith(b'{"type":"deleted"')
+
+
+Write = Callable[[bytes], None]
 
 
 class Member(Protocol):
@@ -68,26 +98,89 @@ class Member(Protocol):
 
     def deliver_feed(self, frame: Frame) -> None: ...
 
+    def demote(self, chat_id: str) -> None:
+        """Taken out of the room's direct set (its position is the room's, right now)."""
+
 
 class Room:
     """The local members of one conversation and the position this process has reached."""
 
-    __slots__ = ("backlog", "channel", "chat_id", "epoch", "last_seq", "members", "repairing",
-                 "unread_max")
+    __slots__ = ("backlog", "binary_writers", "channel", "chat_id", "epoch", "last_seq",
+                 "members", "repairing", "slow", "text_writers", "unread_max")
 
     def __init__(self, chat_id: str) -> None:
         self.chat_id = chat_id
         self.channel = room_channel(chat_id)
         self.members: dict[Member, None] = {}
+        self.slow: dict[Member, None] = {}  # members outside the direct sets
+        self.text_writers: dict[Write, Member] = {}  # the direct sets: transport.write
+        self.binary_writers: dict[Write, Member] = {}
         self.epoch: str | None = None
         self.last_seq: int | None = None  # None until a member's first read tells us
         self.unread_max = 0  # highest seq fanned out while last_seq was still None
         self.repairing = False
         self.backlog: list[tuple[str, int | None, Frame]] = []
 
+    def add(self, member: Member) -> None:
+        self.members[member] = None
+        self.slow[member] = None
+
+    def remove(self, member: Member) -> None:
+        self.members.pop(member, None)
+        self.slow.pop(member, None)
+
+    def go_direct(self, member: Member, write: Write, binary: bool) -> None:
+        """Put a member that is live at exactly (``epoch``, ``last_seq``) in a direct set."""
+        if member in self.slow:
+            del self.slow[member]
+            (self.binary_writers if binary else self.text_writers)[write] = member
+
+    def leave_direct(self, member: Member, write: Write, binary: bool) -> None:
+        if (self.binary_writers if binary else self.text_writers).pop(write, None) is not None:
+            self.slow[member] = None
+
+    def demote_all(self) -> None:
+        """Every direct member back to ``deliver``, before the room's position jumps."""
+        for writers in (self.text_writers, self.binary_writers):
+            demoted = list(writers.values())
+            writers.clear()
+            for member in demoted:
+                self.slow[member] = None
+                member.demote(self.chat_id)
+
     def fan_out(self, frame: Frame) -> None:
-        for member in list(self.members):
-            member.deliver(self.chat_id, frame)
+        if frame.is_deleted:  # every member must act on it: take them all off the fast lane
+            self.demote_all()
+        if self.text_writers:
+            _write_all(self.text_writers, frame.wire_text)
+        if self.binary_writers:
+            _write_all(self.binary_writers, frame.wire_binary)
+        if self.slow:
+            chat_id = self.chat_id
+            for member in list(self.slow):
+                member.deliver(chat_id, frame)
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    future.exception()  # marks it retrieved: the waiters got it, or nobody was left
+
+
+def _write_all(writers: dict[Write, Member], data: bytes) -> None:
+    """``write(data)`` for every writer: the whole per-recipient cost of the fast lane.
+
+    Iterates over a snapshot: a write can pause its transport, which takes that member out
+    of the set at once. A transport that died without telling us yet raises; it is dropped
+    and the loop goes on with the next writer.
+    """
+    pending = iter(tuple(writers))
+    while True:
+        try:
+            for write in pending:
+                write(data)
+            return
+        except (RuntimeError, OSError):
+            member = writers.pop(write, None)  # the writer that just failed
+            log.debug("dropped a direct writer of %r after a failed write", member)
 
 
 class Hub:
@@ -104,12 +197,19 @@ class Hub:
         self._task: asyncio.Task[None] | None = None
         self._control = f"gateway:hub:{os.getpid()}:{id(self)}".encode()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._subscribing: dict[bytes, None] = {}
+        self._unsubscribing: dict[bytes, None] = {}
+        self._flush_scheduled = False
+        self._reads_started = 0
+        # In-flight history reads: (chat, after, limit) -> (the read's number, its task).
+        self._reads: dict[tuple[str, int | None, int], tuple[int, asyncio.Task[History]]] = {}
 
     # --- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
         # A permanent subscription keeps the connection in pub/sub mode with no rooms.
-        await self._subscribe(self._control)
+        self._confirm[self._control] = asyncio.get_running_loop().create_future()
+        await self._pubsub.subscribe(self._control)
         assert self._pubsub.connection is not None
         self._pubsub.connection.register_connect_callback(self._on_connect)
         self._task = asyncio.create_task(self._run(), name="hub-reader")
@@ -138,8 +238,8 @@ class Hub:
             self._rooms[chat_id] = room
             channel = room.channel.encode()
             self._rooms_by_channel[channel] = room
-            await self._subscribe(channel)
-        room.members[member] = None
+            self._subscribe(channel)
+        room.add(member)
         await self._confirmed(room.channel.encode())
         return room
 
@@ -147,13 +247,41 @@ class Hub:
         room = self._rooms.get(chat_id)
         if room is None:
             return
-        room.members.pop(member, None)
+        room.remove(member)
         if not room.members:
             del self._rooms[chat_id]
             channel = room.channel.encode()
             del self._rooms_by_channel[channel]
             self._confirm.pop(channel, None)
-            self._spawn(self._unsubscribe(channel))
+            self._unsubscribe(channel)
+
+    def mark(self) -> int:
+        """Call once joined: reads numbered above the mark started after the join."""
+        return self._reads_started
+
+    async def read(self, chat_id: str, after: int | None, limit: int, joined: int) -> History:
+        """The store's atomic read, shared by concurrent joiners of the same room asking
+        from the same position (a reconnect storm after a deploy, a network blip).
+
+        A joiner may only share a read that started after it joined (``joined`` is its
+        :meth:`mark`): frames published before that read are in it, and frames published
+        after it reach the joiner live, so the merge by seq stays gapless.
+        """
+        key = (chat_id, after, limit)
+        shared = self._reads.get(key)
+        if shared is not None and shared[0] > joined:
+            return await asyncio.shield(shared[1])
+        self._reads_started += 1
+        number = self._reads_started
+        task = asyncio.ensure_future(self._store.read(chat_id, after, limit))
+        self._reads[key] = (number, task)
+
+        def forget(_: object) -> None:
+            if self._reads.get(key, (0,))[0] == number:
+                del self._reads[key]
+
+        task.add_done_callback(forget)
+        return await asyncio.shield(task)
 
     def observe(self, room: Room, epoch: str, seq: int) -> None:
         """Record the position a member's read established, if the room has none yet.
@@ -163,18 +291,22 @@ class Hub:
         if room.last_seq is None:
             room.epoch, room.last_seq = epoch, max(seq, room.unread_max)
         elif room.epoch != epoch:
+            room.demote_all()
             room.epoch, room.last_seq = epoch, seq
 
     # --- feeds ------------------------------------------------------------------------
 
-    async def join_feed(self, user_id: str, member: Member) -> None:
+    def join_feed(self, user_id: str, member: Member) -> asyncio.Future[None] | None:
+        """Add ``member`` to the user's feed at once; returns the future that completes once
+        this process receives the feed (None if it already does)."""
         channel = feed_channel(user_id).encode()
         members = self._feeds.get(channel)
         if members is None:
             members = self._feeds[channel] = {}
-            await self._subscribe(channel)
+            self._subscribe(channel)
         members[member] = None
-        await self._confirmed(channel)
+        future = self._confirm.get(channel)
+        return None if future is None or future.done() else future
 
     def leave_feed(self, user_id: str, member: Member) -> None:
         channel = feed_channel(user_id).encode()
@@ -185,20 +317,58 @@ class Hub:
         if not members:
             del self._feeds[channel]
             self._confirm.pop(channel, None)
-            self._spawn(self._unsubscribe(channel))
+            self._unsubscribe(channel)
 
     # --- pub/sub plumbing -------------------------------------------------------------
 
-    async def _subscribe(self, channel: bytes) -> None:
-        if channel not in self._confirm:
-            self._confirm[channel] = asyncio.get_running_loop().create_future()
-        await self._pubsub.subscribe(channel)
+    # Channels joined or left within one loop turn go out as one SUBSCRIBE / UNSUBSCRIBE: a
+    # burst of connects costs one round trip, not one each.
 
-    async def _unsubscribe(self, channel: bytes) -> None:
-        if channel in self._rooms_by_channel or channel in self._feeds:
-            return  # someone joined again meanwhile
-        with contextlib.suppress(RedisError, ConnectionError):
-            await self._pubsub.unsubscribe(channel)
+    def _subscribe(self, channel: bytes) -> None:
+        future = self._confirm.get(channel)
+        if future is None or (future.done() and future.exception() is not None):
+            self._confirm[channel] = asyncio.get_running_loop().create_future()
+        self._unsubscribing.pop(channel, None)
+        self._subscribing[channel] = None
+        self._schedule_flush()
+
+    def _unsubscribe(self, channel: bytes) -> None:
+        self._subscribing.pop(channel, None)
+        self._unsubscribing[channel] = None
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        subscribe, self._subscribing = list(self._subscribing), {}
+        # Someone may have joined again since the leave was asked for.
+        unsubscribe = [c for c in self._unsubscribing
+                       if c not in self._rooms_by_channel and c not in self._feeds]
+        self._unsubscribing = {}
+        if subscribe:
+            self._spawn(self._send_subscribe(subscribe))
+        if unsubscribe:
+            self._spawn(self._send_unsubscribe(unsubscribe))
+
+    async def _send_subscribe(self, channels: list[bytes]) -> None:
+        try:
+            await self._pubsub.subscribe(*channels)
+        except (RedisError, ConnectionError, OSError) as exc:
+            # Whoever waits for these channels fails (their sessions close with 1013); the
+            # next join of an abandoned channel subscribes anew.
+            for channel in channels:
+                future = self._confirm.get(channel)
+                if future is not None and not future.done():
+                    future.set_exception(ConnectionError(f"subscribe failed: {exc}"))
+                    future.add_done_callback(_retrieved)
+
+    async def _send_unsubscribe(self, channels: list[bytes]) -> None:
+        with contextlib.suppress(RedisError, ConnectionError, OSError):
+            await self._pubsub.unsubscribe(*channels)
 
     async def _confirmed(self, channel: bytes) -> None:
         future = self._confirm.get(channel)
@@ -271,6 +441,7 @@ class Hub:
             room.fan_out(frame)
             return
         if epoch != room.epoch:  # the conversation was recreated
+            room.demote_all()
             room.epoch, room.last_seq = epoch, 0
         if seq <= room.last_seq:
             return
@@ -297,6 +468,7 @@ class Hub:
             if room.last_seq is not None and end is not None and room.last_seq < end - 1:
                 log.error("room %s: seqs %d..%d are gone from the stream", room.chat_id,
                           room.last_seq + 1, end - 1)
+                room.demote_all()
                 room.last_seq = end - 1
         except (RedisError, ConnectionError, OSError):
             log.exception("room %s: gap repair failed", room.chat_id)

@@ -1,13 +1,16 @@
-"""One WebSocket connection: reader, writer queue, subscriptions and their buffers.
+"""One WebSocket connection: reader, subscriptions and their buffers.
 
 The reader handles one client frame at a time, in order. Everything the connection sends
-goes through one bounded queue drained by one writer task, so a slow socket only ever
-holds up itself: past ``queue_max_bytes`` it is closed with 4008.
+goes through its :mod:`outbound <gateway.transport.outbound>`: on the fast path, straight to
+the socket's transport, in program order, so a reply never overtakes a frame fanned out
+before it. A slow socket only ever holds up itself: past ``queue_max_bytes`` of unsent
+bytes it is closed with 4008.
 
 A subscription is in one of three states:
 
 ``syncing``    joined the room, reading history; live frames wait in ``pending``
-``live``       frames go straight to the queue
+``live``       frames go straight out; at the room's position, the hub writes them itself
+               (the room's direct set) and this session is not even called
 ``buffering``  unsubscribed: frames wait in a bounded ``buffer`` for the next subscribe
 """
 
@@ -19,12 +22,12 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from redis.exceptions import RedisError
-from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol as p
 from .auth import Principal
@@ -40,11 +43,17 @@ from .errors import Rejected
 from .hub import Frame
 from .recovery import plan_replay
 from .store import Meta
+from .transport.outbound import outbound_for
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .runtime import Gateway
 
 log = logging.getLogger("gateway.session")
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+CHUNK_BYTES = 64 * 1024  # a replay or buffer drain is written in chunks of about this size
+PAUSE_ABOVE = 64 * 1024  # unsent bytes at which writes pause (at most half the 4008 bound)
 
 
 class State(Enum):
@@ -54,8 +63,8 @@ class State(Enum):
 
 
 class Subscription:
-    __slots__ = ("buffer", "buffer_bytes", "epoch", "last_seq", "overflowed", "pending",
-                 "state", "unsubscribed_at")
+    __slots__ = ("buffer", "buffer_bytes", "direct", "epoch", "last_seq", "overflowed",
+                 "pending", "state", "unsubscribed_at")
 
     def __init__(self) -> None:
         self.state = State.SYNCING
@@ -65,28 +74,33 @@ class Subscription:
         self.unsubscribed_at = 0.0
         self.overflowed = False
         self.epoch = ""
-        self.last_seq = 0  # last durable seq this connection was sent
+        self.last_seq = 0  # last durable seq this connection was sent (stale while direct)
+        self.direct = False  # in the room's direct set: the room's position is ours
 
 
 class Session:
     """Drives one accepted WebSocket until it closes."""
 
-    def __init__(self, gateway: Gateway, ws: WebSocket, principal: Principal,
-                 codec: p.Codec) -> None:
+    __slots__ = ("_bad_frames", "_closer", "_closing", "_feed_ready", "_limited", "_refilled",
+                 "_tokens", "binary", "codec", "gateway", "hub", "id", "out", "principal",
+                 "receive", "settings", "subs")
+
+    def __init__(self, gateway: Gateway, principal: Principal, codec: p.Codec,
+                 scope: dict[str, Any], receive: Receive, send: Send) -> None:
         self.gateway = gateway
+        self.hub = gateway.hub
         self.settings = gateway.settings
-        self.ws = ws
         self.principal = principal
         self.codec = codec
+        self.binary = codec.binary
+        self.receive = receive
         self.id = secrets.token_hex(8)
         self.subs: dict[str, Subscription] = {}
-        self._queue: deque[str | bytes] = deque()
-        self._queued_bytes = 0
-        self._wake = asyncio.Event()
-        self._drained = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
+        pause_above = min(PAUSE_ABOVE, self.settings.queue_max_bytes // 2)
+        self.out = outbound_for(scope, send, codec.binary, self, pause_above)
         self._closer: asyncio.Task[None] | None = None
         self._closing = False
+        self._feed_ready: asyncio.Future[None] | None = None
         self._tokens = float(self.settings.rate_burst)
         self._refilled = time.monotonic()
         self._limited = 0
@@ -96,13 +110,14 @@ class Session:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.id}")
         expiry = None
         if self.principal.expires_at is not None:
             delay = max(0.0, self.principal.expires_at - time.time())
             expiry = loop.call_later(delay, self.close, TOKEN_EXPIRED, "token expired")
         try:
-            await self.gateway.hub.join_feed(self.principal.user_id, self)
+            # The feed subscription is confirmed before the first client frame is handled,
+            # not before hello: nothing the client does can tell the difference.
+            self._feed_ready = self.hub.join_feed(self.principal.user_id, self)
             s = self.settings
             self._send(p.Hello(
                 connection_id=self.id, user_id=self.principal.user_id, role=self.principal.role,
@@ -120,9 +135,7 @@ class Session:
                 expiry.cancel()
             for chat_id in list(self.subs):
                 self._drop(chat_id)
-            self.gateway.hub.leave_feed(self.principal.user_id, self)
-            if self._writer is not None:
-                self._writer.cancel()
+            self.hub.leave_feed(self.principal.user_id, self)
             if self._closer is not None:
                 # The server drops the socket as soon as this returns: let the close frame
                 # (e.g. 1013 after a backend failure) leave first.
@@ -130,73 +143,110 @@ class Session:
                     await asyncio.wait_for(asyncio.shield(self._closer), timeout=5)
 
     def close(self, code: int, reason: str = "") -> None:
-        """Close the connection now, dropping whatever is still queued."""
+        """Close the connection now, dropping whatever is still unsent."""
         if self._closing:
             return
         self._closing = True
-        self._queue.clear()
-        self._queued_bytes = 0
-        if self._writer is not None:
-            self._writer.cancel()
-        self._closer = asyncio.get_running_loop().create_task(self._send_close(code, reason))
+        self._leave_all_direct()
+        self._closer = self.out.close(code, reason)
 
-    async def _send_close(self, code: int, reason: str) -> None:
-        # No timeout: the close frame of a peer that stopped reading (4008) can only leave
-        # once it drains what is already in flight. Giving up would leave that peer on a
-        # silent connection that never closes; if the peer goes away, the send fails.
-        with contextlib.suppress(Exception):
-            await self.ws.close(code, reason)
+    # --- transport events (the fast path's listener; called synchronously) ------------
+
+    def on_pause(self) -> None:
+        """The socket's buffer is past the pause mark: no more direct writes for now."""
+        self._leave_all_direct()
+
+    def on_resume(self) -> None:
+        for chat_id, sub in self.subs.items():
+            self._try_direct(chat_id, sub)
+
+    def on_closing(self) -> None:
+        """uvicorn is closing the socket (peer close, keepalive timeout, shutdown)."""
+        self._closing = True
+        self._leave_all_direct()
+
+    # --- the room's direct set --------------------------------------------------------
+
+    def _try_direct(self, chat_id: str, sub: Subscription) -> None:
+        write = self.out.write
+        if (write is None or sub.direct or sub.state is not State.LIVE or self._closing
+                or self.out.paused):
+            return
+        room = self.hub.room(chat_id)
+        if room is not None and room.last_seq == sub.last_seq and room.epoch == sub.epoch:
+            room.go_direct(self, write, self.binary)
+            sub.direct = True
+
+    def _leave_direct(self, chat_id: str, sub: Subscription) -> None:
+        if not sub.direct:
+            return
+        sub.direct = False
+        room = self.hub.room(chat_id)
+        if room is not None and self.out.write is not None:
+            room.leave_direct(self, self.out.write, self.binary)
+            self._take_position(sub, room.epoch, room.last_seq)
+
+    def _leave_all_direct(self) -> None:
+        for chat_id, sub in self.subs.items():
+            self._leave_direct(chat_id, sub)
+
+    def demote(self, chat_id: str) -> None:
+        sub = self.subs.get(chat_id)
+        room = self.hub.room(chat_id)
+        if sub is not None and sub.direct:
+            sub.direct = False
+            if room is not None:
+                self._take_position(sub, room.epoch, room.last_seq)
+
+    @staticmethod
+    def _take_position(sub: Subscription, epoch: str | None, seq: int | None) -> None:
+        if epoch is not None and seq is not None:
+            sub.epoch, sub.last_seq = epoch, seq
 
     # --- outbound ---------------------------------------------------------------------
 
     def _send(self, frame: msgspec.Struct) -> None:
-        data = self.codec.encode(frame)
-        self._enqueue(data if self.codec.binary else data.decode())
-
-    def _send_frame(self, frame: Frame) -> None:
-        self._enqueue(frame.msgpack if self.codec.binary else frame.text)
-
-    def _enqueue(self, payload: str | bytes) -> None:
         if self._closing:
             return
-        size = len(payload)
-        if self._queue and self._queued_bytes + size > self.settings.queue_max_bytes:
-            log.info("session %s: slow consumer, %d bytes queued", self.id, self._queued_bytes)
+        payload = self.codec.encode(frame)
+        if not self._over_bound(len(payload)):
+            self.out.send_payload(payload)
+
+    def _send_frame(self, frame: Frame) -> None:
+        if not self._closing and not self._over_bound(frame.size):
+            self.out.send_frame(frame)
+
+    def _over_bound(self, size: int) -> bool:
+        """Close with 4008 if ``size`` more bytes would pass the bound of unsent bytes."""
+        buffered = self.out.buffered()
+        if buffered and buffered + size > self.settings.queue_max_bytes:
+            log.info("session %s: slow consumer, %d bytes unsent", self.id, buffered)
             self.close(SLOW_CONSUMER, "slow consumer")
-            return
-        self._queue.append(payload)
-        self._queued_bytes += size
-        self._drained.clear()
-        self._wake.set()
+            return True
+        return False
 
     async def _send_paced(self, frames: list[Frame]) -> None:
-        """Send many frames (a replay, a buffer) without tripping the slow-consumer bound."""
-        limit = self.settings.queue_max_bytes // 2
-        for frame in frames:
-            while self._queued_bytes > limit and not self._closing:
-                await self._drained.wait()
-            self._send_frame(frame)
-
-    async def _write_loop(self) -> None:
-        send = self.ws.send
-        queue = self._queue
-        key = "bytes" if self.codec.binary else "text"
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                while queue:
-                    payload = queue.popleft()
-                    self._queued_bytes -= len(payload)
-                    await send({"type": "websocket.send", key: payload})
-                self._drained.set()
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            pass
+        """Send many frames (a replay, a buffer) in chunks, each after the socket drained."""
+        i, count = 0, len(frames)
+        while i < count:
+            while self.out.paused and not self._closing:
+                await self.out.wait_writable()
+            if self._closing:
+                return
+            chunk: list[Frame] = []
+            size = 0
+            while i < count and size < CHUNK_BYTES:
+                chunk.append(frames[i])
+                size += frames[i].size
+                i += 1
+            if self._over_bound(size):
+                return
+            self.out.send_frames(chunk)  # type: ignore[arg-type]
 
     # --- inbound ----------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        receive = self.ws.receive
+        receive = self.receive
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
@@ -206,6 +256,9 @@ class Session:
                 # peer yet: what it still sends must not act (no writes after 4011 or 4008).
                 continue
             data = message.get("bytes") or (message.get("text") or "").encode()
+            if self._feed_ready is not None:
+                await asyncio.wait_for(asyncio.shield(self._feed_ready), timeout=10)
+                self._feed_ready = None
             if not self._admit():
                 continue
             try:
@@ -278,12 +331,12 @@ class Session:
                 return
             sub = self.subs[chat_id] = Subscription()
             try:
-                await self.gateway.hub.join(chat_id, self)
+                await self.hub.join(chat_id, self)
             except BaseException:
                 self.subs.pop(chat_id, None)
-                self.gateway.hub.leave(chat_id, self)
+                self.hub.leave(chat_id, self)
                 raise
-            await self._sync(req, sub, req.since, overflowed=None)
+            await self._sync(req, sub, req.since, overflowed=None, joined=self.hub.mark())
             return
         if sub.state is State.BUFFERING:
             expired = time.monotonic() - sub.unsubscribed_at > self.settings.buffer_ttl
@@ -291,11 +344,11 @@ class Session:
                 await self._drain_buffer(req, sub)
                 return
             since = req.since or p.Since(sub.last_seq, sub.epoch)
-            self._reset_to_syncing(sub)
+            self._reset_to_syncing(chat_id, sub)
             await self._sync(req, sub, since, overflowed=True if req.since is None else None)
             return
         if sub.state is State.LIVE and req.since is not None:
-            self._reset_to_syncing(sub)
+            self._reset_to_syncing(chat_id, sub)
             await self._sync(req, sub, req.since, overflowed=None)
             return
         # Already live and no resume asked for: confirm with the current state.
@@ -307,7 +360,8 @@ class Session:
         self._send(p.Subscribed(chat_id, meta.epoch, meta.seq, True, 0,
                                 _snapshot(meta, self.codec.binary), req.id))
 
-    def _reset_to_syncing(self, sub: Subscription) -> None:
+    def _reset_to_syncing(self, chat_id: str, sub: Subscription) -> None:
+        self._leave_direct(chat_id, sub)
         sub.state = State.SYNCING
         sub.pending = []
         sub.buffer.clear()
@@ -315,16 +369,18 @@ class Session:
         sub.overflowed = False
 
     async def _sync(self, req: p.Subscribe, sub: Subscription, since: p.Since | None,
-                    overflowed: bool | None) -> None:
+                    overflowed: bool | None, joined: int | None = None) -> None:
         """Read history after ``since`` and go live with no gap and no duplicate.
 
         The connection is already a member of the room, so every frame published from now on
         lands in ``sub.pending``; history read afterwards overlaps it, and merging by seq
-        removes the overlap.
+        removes the overlap. ``joined`` is the hub's mark taken when the room was joined:
+        reads started since then may be shared.
         """
         store, chat_id = self.gateway.store, req.chat_id
         after = since.seq if since is not None else None
-        history = await store.read(chat_id, after, self.settings.replay_limit + 1)
+        joined = self.hub.mark() if joined is None else joined
+        history = await self.hub.read(chat_id, after, self.settings.replay_limit + 1, joined)
         if history.meta is None and self.settings.auto_create:
             await store.publish(chat_id, [], create_owner=self.principal.user_id)
             history = await store.read(chat_id, after, self.settings.replay_limit + 1)
@@ -336,9 +392,9 @@ class Session:
             else:
                 self._error("forbidden", "you may not read this conversation", req)
             return
-        room = self.gateway.hub.room(chat_id)
+        room = self.hub.room(chat_id)
         if room is not None:
-            self.gateway.hub.observe(room, meta.epoch, meta.seq)
+            self.hub.observe(room, meta.epoch, meta.seq)
         plan = plan_replay(since, meta.epoch, meta.seq, history.frames, self.settings.replay_limit)
         self._send(p.Subscribed(
             chat_id, meta.epoch, meta.seq, plan.recovered, len(plan.frames),
@@ -357,6 +413,7 @@ class Session:
         if self.subs.get(chat_id) is not sub:
             return  # deleted or left while we were replaying
         sub.state, sub.epoch, sub.last_seq = State.LIVE, meta.epoch, last
+        self._try_direct(chat_id, sub)
 
     async def _drain_buffer(self, req: p.Subscribe, sub: Subscription) -> None:
         """Send the intact buffer, then go live. The buffer's bounds stop applying now:
@@ -381,17 +438,22 @@ class Session:
             await self._send_paced(frames)
         if self.subs.get(req.chat_id) is sub:
             sub.state = State.LIVE
+            self._try_direct(req.chat_id, sub)
 
     def _unsubscribe(self, req: p.Unsubscribe) -> None:
         sub = self.subs.get(req.chat_id)
         if sub is not None and sub.state is State.LIVE:
+            self._leave_direct(req.chat_id, sub)
             sub.state = State.BUFFERING
             sub.unsubscribed_at = time.monotonic()
         self._send(p.Unsubscribed(req.chat_id, req.id))
 
     def _drop(self, chat_id: str) -> None:
-        if self.subs.pop(chat_id, None) is not None:
-            self.gateway.hub.leave(chat_id, self)
+        sub = self.subs.get(chat_id)
+        if sub is not None:
+            self._leave_direct(chat_id, sub)
+            del self.subs[chat_id]
+            self.hub.leave(chat_id, self)
 
     # --- delivery (called by the hub; must not block) ---------------------------------
 
@@ -410,6 +472,7 @@ class Session:
                     return  # already sent (a replay overlapped a gap repair)
                 sub.last_seq = frame.seq
             self._send_frame(frame)
+            self._try_direct(chat_id, sub)
         elif state is State.SYNCING:
             sub.pending.append(frame)
         elif not sub.overflowed:

@@ -32,14 +32,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import protocol as p
-from .auth import AuthError, Principal, bearer, verify_token
+from .auth import AuthError, Principal, bearer
 from .errors import Rejected
 from .hub import Frame, Hub
 from .recovery import plan_replay
 from .store import Meta
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .runtime import Gateway
 
 log = logging.getLogger("gateway.sse")
 
@@ -91,6 +91,9 @@ class StreamMember:
 
     def deliver_feed(self, frame: Frame) -> None:
         """Never joined to a feed: conversation-list frames are WebSocket-only."""
+
+    def demote(self, chat_id: str) -> None:
+        """Never in a direct set: every frame reaches it through ``deliver``."""
 
     async def next_batch(self, within: float) -> list[Entry | None] | None:
         """Everything queued, waiting up to ``within`` seconds for the first; None if none."""
@@ -172,7 +175,7 @@ def _deleted_epoch(frame: Frame) -> str | None:
 def _principal(request: Request, gateway: Gateway) -> Principal:
     token = bearer(request.headers.get("authorization"), request.query_params.get("token"))
     try:
-        return verify_token(gateway.settings.secret, token)
+        return gateway.tokens.verify(token)
     except AuthError as exc:
         raise Rejected("unauthorized", str(exc)) from None
 

@@ -15,6 +15,7 @@ cluster slot. Key layout::
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import zlib
 from importlib import resources
@@ -22,6 +23,7 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from .config import Settings
 from .errors import Rejected
@@ -146,6 +148,7 @@ class Store:
         self.settings = settings
         self._publish = redis.register_script(_script("publish.lua"))
         self._delete = redis.register_script(_script("delete.lua"))
+        self._commit = GroupCommit(redis, self._publish)
 
     async def publish(
         self,
@@ -168,7 +171,7 @@ class Store:
         ]
         for event in events:
             args += [event.type, "1" if event.durable else "0", event.data, event.extra]
-        reply = await self._publish(keys=keys, args=args)
+        reply = await self._commit.run(keys, args)
         status = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
         fields = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
         if status == "err":
@@ -284,3 +287,68 @@ class Store:
 
     async def untrack_turn(self, chat_id: str, turn_id: str) -> None:
         await self.redis.zrem(TURN_DEADLINES, f"{chat_id} {turn_id}")
+
+
+class GroupCommit:
+    """Script calls made in the same loop turn go to Redis as one pipeline.
+
+    Each call still gets its own reply or its own error: the pipeline is not a transaction,
+    and one script's failure leaves the others as they were. Under load, many publishes
+    share one pool checkout and one round trip; alone, a call costs what it did.
+    """
+
+    def __init__(self, redis: aioredis.Redis, script: Any) -> None:
+        self._redis = redis
+        self._script = script
+        self._queued: list[tuple[list[Any], list[Any], asyncio.Future[Any]]] = []
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, keys: list[Any], args: list[Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queued.append((keys, args, future))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        batch, self._queued = self._queued, []
+        task = asyncio.get_running_loop().create_task(self._execute(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, batch: list[tuple[list[Any], list[Any], asyncio.Future[Any]]]
+                       ) -> None:
+        try:
+            if len(batch) == 1:
+                keys, args, _ = batch[0]
+                replies: list[Any] = [await self._call(keys, args)]
+            else:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for keys, args, _ in batch:
+                        pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+                    replies = await pipe.execute(raise_on_error=False)
+                for i, reply in enumerate(replies):
+                    if isinstance(reply, NoScriptError):  # the server lost its script cache
+                        replies[i] = await self._call(batch[i][0], batch[i][1])
+        except Exception as exc:  # the round trip itself failed: every caller hears it
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, _, future), reply in zip(batch, replies, strict=True):
+            if future.done():
+                continue  # the caller went away; the write stands
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+    async def _call(self, keys: list[Any], args: list[Any]) -> Any:
+        try:
+            return await self._script(keys=keys, args=args)
+        except Exception as exc:
+            return exc

@@ -1,0 +1,58 @@
+"""``/v1/ws``: the handshake (origin, subprotocol, token, limits), then a :class:`Session`.
+
+A plain ASGI endpoint rather than a Starlette ``WebSocket``: the session reads ASGI
+``receive`` itself and writes through :mod:`gateway.transport.outbound`, so a connection
+holds no wrapper it does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.datastructures import Headers, QueryParams
+
+from . import protocol as p
+from .auth import AuthError, bearer
+from .closecodes import FORBIDDEN, TOO_MANY, UNAUTHORIZED
+from .runtime import Gateway
+from .session import Receive, Send, Session
+
+
+class SocketEndpoint:
+    """The ASGI app of ``/v1/ws``."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        gateway = self.gateway
+        await receive()  # websocket.connect
+        headers = Headers(scope=scope)
+        if not gateway.origin_allowed(headers.get("origin")):
+            await send({"type": "websocket.close", "code": FORBIDDEN})  # HTTP 403
+            return
+        offered = scope.get("subprotocols") or []
+        chosen = p.MSGPACK_SUBPROTOCOL if p.MSGPACK_SUBPROTOCOL in offered else (
+            p.JSON_SUBPROTOCOL if p.JSON_SUBPROTOCOL in offered else None)
+        await send({"type": "websocket.accept", "subprotocol": chosen, "headers": []})
+        query_token = QueryParams(scope.get("query_string", b"")).get("token")
+        try:
+            principal = gateway.tokens.verify(bearer(headers.get("authorization"), query_token))
+        except AuthError as exc:
+            await send({"type": "websocket.close", "code": UNAUTHORIZED,
+                        "reason": str(exc)[:120]})
+            return
+        mine = gateway.sessions.setdefault(principal.user_id, set())
+        if len(mine) >= gateway.settings.max_connections_per_user:
+            await send({"type": "websocket.close", "code": TOO_MANY,
+                        "reason": "too many connections"})
+            return
+        session = Session(gateway, principal, p.Codec(chosen or p.JSON_SUBPROTOCOL), scope,
+                          receive, send)
+        mine.add(session)
+        try:
+            await session.run()
+        finally:
+            mine.discard(session)
+            if not mine:
+                gateway.sessions.pop(principal.user_id, None)

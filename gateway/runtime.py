@@ -1,0 +1,88 @@
+"""One gateway process: its Redis client, store, hub, live sessions and background work.
+
+The parts that serve clients (:mod:`~gateway.connect`, :mod:`~gateway.session`,
+:mod:`~gateway.api`, :mod:`~gateway.sse`) use a :class:`Gateway`; :mod:`~gateway.app` wires
+it into the Starlette app. Nothing here imports those parts back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from .agent import AgentWorker
+from .auth import TokenCache
+from .closecodes import SERVER_RESTART
+from .config import ConfigError, Settings
+from .conversations import Conversations
+from .hub import Hub
+from .store import Store
+
+log = logging.getLogger("gateway")
+
+REDIS_MAX_CONNECTIONS = 100  # per process, the pub/sub connection included
+
+
+class Connection(Protocol):
+    """What the runtime needs of a live WebSocket session."""
+
+    def close(self, code: int, reason: str = "") -> None: ...
+
+
+class Gateway:
+    """Everything one gateway process shares: Redis, the store, the hub, live sessions."""
+
+    def __init__(self, settings: Settings) -> None:
+        if not settings.redis_url:
+            raise ConfigError("GATEWAY_REDIS_URL is not set: run `gateway serve`, which starts "
+                              "the embedded default, or point it at a Redis server")
+        if not settings.secret:
+            raise ConfigError("GATEWAY_SECRET is not set (`gateway serve --dev` makes one)")
+        self.settings = settings
+        # redis-py's default pool raises MaxConnectionsError once 100 commands are in flight
+        # (e.g. a burst of subscribes after a restart), which would close those sessions with
+        # 1013. A blocking pool makes the burst wait for a free connection instead.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS, timeout=10,
+            decode_responses=False, health_check_interval=30,
+        )
+        self.redis = aioredis.Redis.from_pool(pool)
+        self.store = Store(self.redis, settings)
+        self.hub = Hub(self.redis, self.store)
+        self.conversations = Conversations(self.store, settings)
+        self.tokens = TokenCache(settings.secret)
+        self.sessions: dict[str, set[Connection]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self.agent: AgentWorker | None = None
+
+    async def start(self) -> None:
+        await self.redis.ping()
+        await self.hub.start()
+        self._sweeper = asyncio.create_task(self.conversations.run_turn_sweeper())
+        if self.settings.demo_agent:
+            from .demo_agent import handle
+
+            self.agent = AgentWorker(self.redis, self.settings, handle)
+            await self.agent.start()
+
+    async def stop(self) -> None:
+        for sessions in list(self.sessions.values()):
+            for session in list(sessions):
+                session.close(SERVER_RESTART, "server restarting")
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self.agent is not None:
+            await self.agent.stop(grace=3)
+        # Give the close frames a moment to leave before the sockets go.
+        with contextlib.suppress(Exception):
+            await asyncio.sleep(0.05)
+        await self.hub.stop()
+        await self.redis.aclose()
+
+    def origin_allowed(self, origin: str | None) -> bool:
+        allowed = self.settings.allowed_origins
+        return origin is None or "*" in allowed or origin in allowed
