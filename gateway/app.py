@@ -1,4 +1,10 @@
-"""The Starlette app factory: routes and lifespan wired to one :class:`Gateway`."""
+"""The app factory: routes and lifespan wired to one :class:`Gateway`.
+
+``/v1/ws`` goes straight to :class:`~gateway.connect.SocketEndpoint`; everything else goes
+through Starlette. A WebSocket lives for hours: the middleware a request needs for its
+milliseconds (error pages, exception handlers, routing) would sit in every connection's task
+for all that time.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,32 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.routing import WebSocketRoute
+from starlette.types import Receive, Scope, Send
 
 from . import api, web
 from .config import Settings, load_settings
 from .connect import SocketEndpoint
 from .runtime import Gateway
 
+WEBSOCKET_PATH = "/v1/ws"
 
-def create_app(settings: Settings | None = None) -> Starlette:
+
+class GatewayApp:
+    """The ASGI app: the WebSocket endpoint, or Starlette for the rest."""
+
+    def __init__(self, starlette: Starlette, sockets: SocketEndpoint) -> None:
+        self.starlette = starlette
+        self.sockets = sockets
+        self.state = starlette.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == WEBSOCKET_PATH:
+            await self.sockets(scope, receive, send)  # type: ignore[arg-type]
+        else:
+            await self.starlette(scope, receive, send)
+
+
+def create_app(settings: Settings | None = None) -> GatewayApp:
     settings = settings or load_settings()
     gateway = Gateway(settings)
 
@@ -29,10 +52,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     handlers: Any = api.exception_handlers
     app = Starlette(
-        routes=[*api.routes, WebSocketRoute("/v1/ws", SocketEndpoint(gateway)),
-                *web.web_routes(dev=settings.dev)],
+        routes=[*api.routes, *web.web_routes(dev=settings.dev)],
         exception_handlers=handlers,
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return app
+    return GatewayApp(app, SocketEndpoint(gateway))

@@ -23,6 +23,9 @@ class SocketEndpoint:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        # Codecs hold no per-connection state: one of each per process.
+        self.codecs = {name: p.Codec(name) for name in (p.JSON_SUBPROTOCOL,
+                                                        p.MSGPACK_SUBPROTOCOL)}
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         gateway = self.gateway
@@ -47,8 +50,8 @@ class SocketEndpoint:
             await send({"type": "websocket.close", "code": TOO_MANY,
                         "reason": "too many connections"})
             return
-        session = Session(gateway, principal, p.Codec(chosen or p.JSON_SUBPROTOCOL), scope,
-                          receive, send)
+        session = Session(gateway, principal, self.codecs[chosen or p.JSON_SUBPROTOCOL],
+                          scope, receive, send)
         mine.add(session)
         try:
             await session.run()

@@ -200,9 +200,11 @@ class Hub:
         self._subscribing: dict[bytes, None] = {}
         self._unsubscribing: dict[bytes, None] = {}
         self._flush_scheduled = False
+        self._pubsub_order = asyncio.Lock()
         self._reads_started = 0
         # In-flight history reads: (chat, after, limit) -> (the read's number, its task).
-        self._reads: dict[tuple[str, int | None, int], tuple[int, asyncio.Task[History]]] = {}
+        self._reads: dict[tuple[str, int | None, int, str],
+                          tuple[int, asyncio.Task[History]]] = {}
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -259,7 +261,8 @@ class Hub:
         """Call once joined: reads numbered above the mark started after the join."""
         return self._reads_started
 
-    async def read(self, chat_id: str, after: int | None, limit: int, joined: int) -> History:
+    async def read(self, chat_id: str, after: int | None, limit: int, joined: int,
+                   create_owner: str = "") -> History:
         """The store's atomic read, shared by concurrent joiners of the same room asking
         from the same position (a reconnect storm after a deploy, a network blip).
 
@@ -267,13 +270,13 @@ class Hub:
         :meth:`mark`): frames published before that read are in it, and frames published
         after it reach the joiner live, so the merge by seq stays gapless.
         """
-        key = (chat_id, after, limit)
+        key = (chat_id, after, limit, create_owner)
         shared = self._reads.get(key)
         if shared is not None and shared[0] > joined:
             return await asyncio.shield(shared[1])
         self._reads_started += 1
         number = self._reads_started
-        task = asyncio.ensure_future(self._store.read(chat_id, after, limit))
+        task = asyncio.ensure_future(self._store.read(chat_id, after, limit, create_owner))
         self._reads[key] = (number, task)
 
         def forget(_: object) -> None:
@@ -349,14 +352,18 @@ class Hub:
         unsubscribe = [c for c in self._unsubscribing
                        if c not in self._rooms_by_channel and c not in self._feeds]
         self._unsubscribing = {}
-        if subscribe:
-            self._spawn(self._send_subscribe(subscribe))
         if unsubscribe:
             self._spawn(self._send_unsubscribe(unsubscribe))
+        if subscribe:
+            self._spawn(self._send_subscribe(subscribe))
+
+    # The lock keeps the commands in the order they were asked for (its waiters are FIFO):
+    # an UNSUBSCRIBE must never overtake the SUBSCRIBE of a room joined again after it.
 
     async def _send_subscribe(self, channels: list[bytes]) -> None:
         try:
-            await self._pubsub.subscribe(*channels)
+            async with self._pubsub_order:
+                await self._pubsub.subscribe(*channels)
         except (RedisError, ConnectionError, OSError) as exc:
             # Whoever waits for these channels fails (their sessions close with 1013); the
             # next join of an abandoned channel subscribes anew.
@@ -368,7 +375,8 @@ class Hub:
 
     async def _send_unsubscribe(self, channels: list[bytes]) -> None:
         with contextlib.suppress(RedisError, ConnectionError, OSError):
-            await self._pubsub.unsubscribe(*channels)
+            async with self._pubsub_order:
+                await self._pubsub.unsubscribe(*channels)
 
     async def _confirmed(self, channel: bytes) -> None:
         future = self._confirm.get(channel)
@@ -393,9 +401,10 @@ class Hub:
                         self._dispatch(message[1], message[2])
                     else:  # subscribe confirmations: let redis-py keep its own books too
                         await self._pubsub.handle_message(message)
-                        future = self._confirm.get(message[1])
-                        if message[0] == b"subscribe" and future and not future.done():
-                            future.set_result(None)
+                        if message[0] == b"subscribe":  # no future left: confirmed
+                            future = self._confirm.pop(message[1], None)
+                            if future is not None and not future.done():
+                                future.set_result(None)
             except asyncio.CancelledError:
                 raise
             except (RedisError, ConnectionError, OSError) as exc:

@@ -21,7 +21,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -69,7 +68,7 @@ class Subscription:
     def __init__(self) -> None:
         self.state = State.SYNCING
         self.pending: list[Frame] = []
-        self.buffer: deque[Frame] = deque()
+        self.buffer: list[Frame] = []
         self.buffer_bytes = 0
         self.unsubscribed_at = 0.0
         self.overflowed = False
@@ -377,13 +376,12 @@ class Session:
         removes the overlap. ``joined`` is the hub's mark taken when the room was joined:
         reads started since then may be shared.
         """
-        store, chat_id = self.gateway.store, req.chat_id
+        chat_id = req.chat_id
         after = since.seq if since is not None else None
         joined = self.hub.mark() if joined is None else joined
-        history = await self.hub.read(chat_id, after, self.settings.replay_limit + 1, joined)
-        if history.meta is None and self.settings.auto_create:
-            await store.publish(chat_id, [], create_owner=self.principal.user_id)
-            history = await store.read(chat_id, after, self.settings.replay_limit + 1)
+        create = self.principal.user_id if self.settings.auto_create else ""
+        history = await self.hub.read(chat_id, after, self.settings.replay_limit + 1, joined,
+                                      create)
         meta = history.meta
         if meta is None or not self.principal.may_access(meta.owner):
             self._drop(chat_id)
@@ -419,8 +417,7 @@ class Session:
         """Send the intact buffer, then go live. The buffer's bounds stop applying now:
         frames arriving while we read the state queue behind it instead."""
         sub.state = State.SYNCING
-        sub.pending = list(sub.buffer)
-        sub.buffer.clear()
+        sub.pending, sub.buffer = sub.buffer, []
         sub.buffer_bytes = 0
         meta = await self.gateway.store.meta(req.chat_id)
         if meta is None:

@@ -15,7 +15,6 @@ cluster slot. Key layout::
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import zlib
 from importlib import resources
@@ -23,8 +22,8 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
+from .autopipeline import AutoPipeline
 from .config import Settings
 from .errors import Rejected
 
@@ -137,7 +136,9 @@ class History(msgspec.Struct, frozen=True):
 
 
 def _script(name: str) -> str:
-    return resources.files("gateway").joinpath("lua", name).read_text()
+    """A script's source with ``lua/lib.lua`` (the shared functions) in front of it."""
+    lua = resources.files("gateway").joinpath("lua")
+    return lua.joinpath("lib.lua").read_text() + lua.joinpath(name).read_text()
 
 
 class Store:
@@ -146,9 +147,12 @@ class Store:
     def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
         self.redis = redis
         self.settings = settings
+        # The hot paths (publish, read, state) go through the auto-pipeline; the rare ones
+        # (lists, the agent inbox) use the client directly.
+        self.pipeline = AutoPipeline(redis)
         self._publish = redis.register_script(_script("publish.lua"))
+        self._read = redis.register_script(_script("read.lua"))
         self._delete = redis.register_script(_script("delete.lua"))
-        self._commit = GroupCommit(redis, self._publish)
 
     async def publish(
         self,
@@ -171,7 +175,7 @@ class Store:
         ]
         for event in events:
             args += [event.type, "1" if event.durable else "0", event.data, event.extra]
-        reply = await self._commit.run(keys, args)
+        reply = await self.pipeline.evalsha(self._publish, keys, args)
         status = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
         fields = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
         if status == "err":
@@ -189,31 +193,32 @@ class Store:
         if fields[7] == "1" and not result.duplicate:
             # The conversation list lives under the user's key, another cluster slot, so
             # it cannot join the script; only list-visible changes pay this second write.
-            await self.redis.zadd(index_key(result.owner), {chat_id: result.ts})
+            await self.pipeline.execute("ZADD", index_key(result.owner), result.ts, chat_id)
         return result
 
-    async def read(self, chat_id: str, after: int | None, limit: int) -> History:
-        """The state plus up to ``limit`` durable frames with seq > ``after``, atomically."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(meta_key(chat_id))
-            if after is not None:
-                pipe.xrange(stream_key(chat_id), min=f"({after}-0", max="+", count=limit)
-            replies: list[Any] = await pipe.execute()
-        meta = Meta.from_hash(replies[0])
-        frames = []
-        if after is not None and meta is not None:
-            frames = [(int(entry_id.split(b"-")[0]), f[b"f"]) for entry_id, f in replies[1]]
+    async def read(self, chat_id: str, after: int | None, limit: int,
+                   create_owner: str = "") -> History:
+        """The state plus up to ``limit`` durable frames with seq > ``after``, atomically;
+        with ``create_owner``, a conversation that does not exist is created first."""
+        flat, entries, created = await self.pipeline.evalsha(
+            self._read, [meta_key(chat_id), stream_key(chat_id)],
+            ["" if after is None else after, limit, create_owner, secrets.token_hex(8),
+             chat_id, FEED_PREFIX])
+        meta = Meta.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
+        if created and meta is not None:
+            await self.pipeline.execute("ZADD", index_key(meta.owner), meta.created_at, chat_id)
+        frames = [(int(entry_id.split(b"-")[0]), fields[1]) for entry_id, fields in entries]
         return History(meta, frames)
 
     async def meta(self, chat_id: str) -> Meta | None:
-        raw: dict[bytes, bytes] = await self.redis.hgetall(meta_key(chat_id))  # type: ignore[assignment]
+        raw: dict[bytes, bytes] = await self.pipeline.execute("HGETALL", meta_key(chat_id))
         return Meta.from_hash(raw)
 
     async def delete(self, chat_id: str) -> str | None:
         """Delete a conversation; returns its former owner, or None if it did not exist."""
-        owner = await self._delete(
-            keys=[meta_key(chat_id), stream_key(chat_id)],
-            args=[room_channel(chat_id), FEED_PREFIX, chat_id],
+        owner = await self.pipeline.evalsha(
+            self._delete, [meta_key(chat_id), stream_key(chat_id)],
+            [room_channel(chat_id), FEED_PREFIX, chat_id],
         )
         if not owner:
             return None
@@ -288,67 +293,3 @@ class Store:
     async def untrack_turn(self, chat_id: str, turn_id: str) -> None:
         await self.redis.zrem(TURN_DEADLINES, f"{chat_id} {turn_id}")
 
-
-class GroupCommit:
-    """Script calls made in the same loop turn go to Redis as one pipeline.
-
-    Each call still gets its own reply or its own error: the pipeline is not a transaction,
-    and one script's failure leaves the others as they were. Under load, many publishes
-    share one pool checkout and one round trip; alone, a call costs what it did.
-    """
-
-    def __init__(self, redis: aioredis.Redis, script: Any) -> None:
-        self._redis = redis
-        self._script = script
-        self._queued: list[tuple[list[Any], list[Any], asyncio.Future[Any]]] = []
-        self._scheduled = False
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def run(self, keys: list[Any], args: list[Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._queued.append((keys, args, future))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
-        return await future
-
-    def _flush(self) -> None:
-        self._scheduled = False
-        batch, self._queued = self._queued, []
-        task = asyncio.get_running_loop().create_task(self._execute(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _execute(self, batch: list[tuple[list[Any], list[Any], asyncio.Future[Any]]]
-                       ) -> None:
-        try:
-            if len(batch) == 1:
-                keys, args, _ = batch[0]
-                replies: list[Any] = [await self._call(keys, args)]
-            else:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for keys, args, _ in batch:
-                        pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
-                    replies = await pipe.execute(raise_on_error=False)
-                for i, reply in enumerate(replies):
-                    if isinstance(reply, NoScriptError):  # the server lost its script cache
-                        replies[i] = await self._call(batch[i][0], batch[i][1])
-        except Exception as exc:  # the round trip itself failed: every caller hears it
-            for _, _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        for (_, _, future), reply in zip(batch, replies, strict=True):
-            if future.done():
-                continue  # the caller went away; the write stands
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
-                future.set_result(reply)
-
-    async def _call(self, keys: list[Any], args: list[Any]) -> Any:
-        try:
-            return await self._script(keys=keys, args=args)
-        except Exception as exc:
-            return exc

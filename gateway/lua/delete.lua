@@ -6,8 +6,7 @@
 
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return false end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local chat = cjson.encode(ARGV[3])
 local epoch = redis.call('HGET', KEYS[1], 'epoch')
 local seq = redis.call('HGET', KEYS[1], 'seq')

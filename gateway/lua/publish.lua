@@ -32,19 +32,13 @@ local maxlen = tonumber(ARGV[3])
 local n = tonumber(ARGV[8])
 local note = ARGV[9]
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 
-local m = {}
-do
-  local flat = redis.call('HGETALL', meta)
-  for i = 1, #flat, 2 do m[flat[i]] = flat[i + 1] end
-end
+local m = load_meta(meta)
 local created = false
-if not m.epoch then
+if not m then
   if ARGV[5] == '' then return {'err', 'not_found', 'conversation does not exist'} end
-  m = {owner = ARGV[5], epoch = ARGV[6], seq = '0', status = 'idle', title = '',
-       turn_id = '', started_at = '', goal = '', preview = '', created_at = tostring(now)}
+  m = new_meta(ARGV[5], ARGV[6], now)
   created = true
 end
 if ARGV[10] ~= '' and ARGV[10] ~= m.owner then
@@ -126,19 +120,11 @@ end
 if seq ~= tonumber(m.seq) or created then
   m.seq = tostring(seq)
   m.updated_at = tostring(now)
-  local flat = {}
-  for k, v in pairs(m) do flat[#flat + 1] = k; flat[#flat + 1] = v end
-  redis.call('HSET', meta, unpack(flat))
+  save_meta(meta, m)
 end
 
 if feed then
-  local frame = '{"type":"conversation","chat_id":' .. cjson.encode(chat) ..
-    ',"title":' .. (m.title ~= '' and cjson.encode(m.title) or 'null') ..
-    ',"status":"' .. m.status .. '","updated_at":' .. now .. ',"last_seq":' .. seq ..
-    ',"goal_state":' .. (m.goal ~= '' and m.goal or 'null') ..
-    ',"preview":' .. (m.preview ~= '' and cjson.encode(m.preview) or 'null') ..
-    ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}'
-  redis.call('PUBLISH', ARGV[2] .. m.owner, frame)
+  announce(ARGV[2], chat, m, now, created)
 end
 
 local result = {'ok', m.epoch, table.concat(seqs, ','), tostring(seq), m.owner, '0',

@@ -17,6 +17,7 @@ runs it, so an upgrade that breaks them fails loudly; ``pyproject.toml`` pins th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from typing import Any, Protocol
@@ -48,14 +49,83 @@ class RedactTokens(logging.Filter):
         return True
 
 
-def redacting_logger(name: str, like: str) -> logging.Logger:
-    """A child of ``like`` (same handlers, same level) whose lines never carry a token."""
-    logger = logging.getLogger(f"{like}.{name}")
-    if not any(isinstance(f, RedactTokens) for f in logger.filters):
-        logger.addFilter(RedactTokens())
-    # uvicorn compares ``self.logger.level`` against TRACE before formatting trace lines.
-    logger.setLevel(logging.getLogger(like).getEffectiveLevel())
-    return logger
+_logger: logging.Logger | None = None
+
+
+def redacting_logger() -> logging.Logger:
+    """A child of ``uvicorn.error`` (same handlers, same level) whose lines carry no token.
+
+    Made on the first connection, once uvicorn has configured its loggers.
+    """
+    global _logger
+    if _logger is None:
+        _logger = logging.getLogger("uvicorn.error.gateway")
+        _logger.addFilter(RedactTokens())
+        # uvicorn compares ``self.logger.level`` against TRACE before formatting trace lines.
+        _logger.setLevel(logging.getLogger("uvicorn.error").getEffectiveLevel())
+    return _logger
+
+
+class Inbox:
+    """uvicorn's receive queue (one consumer) without ``asyncio.Queue``'s three deques.
+
+    An idle connection holds its queue for hours: this one costs a list and a slot.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.pop(0)
+
+    def empty(self) -> bool:
+        return not self._items
+
+
+class Flag:
+    """``asyncio.Event`` for ``writable``, with no deque until someone waits."""
+
+    __slots__ = ("_set", "_waiters")
+
+    def __init__(self) -> None:
+        self._set = True
+        self._waiters: list[asyncio.Future[None]] | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> None:
+        if self._set:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(waiter)
+        await waiter
 
 
 class GatewayWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -65,13 +135,22 @@ class GatewayWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.logger = redacting_logger("gateway", "uvicorn.error")
+        self.logger = redacting_logger()
         self.listener = None
+        self.queue = Inbox()  # type: ignore[assignment]
+        self.writable = Flag()  # type: ignore[assignment]
 
     async def run_asgi(self) -> None:
         # The scope exists once the handshake request was parsed; the app runs in here.
         self.scope["extensions"][EXTENSION] = self  # type: ignore[index,assignment]
         await super().run_asgi()
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if self.handshake_complete and getattr(self, "response", None) is not None:
+            # The handshake's request and response are done with: a connection lives for
+            # hours, and they are a good part of its memory.
+            self.request = self.response = None  # type: ignore[assignment]
 
     # --- flow control: the transport's own buffer is the connection's queue -------------
 
@@ -113,7 +192,7 @@ class GatewayWebSocketProtocol(WebSocketsSansIOProtocol):
         super().shutdown()
 
 
-_REQUIRED = ("transport", "writable", "close_sent", "conn")
+_REQUIRED = ("transport", "writable", "close_sent", "conn", "queue")
 _HOOKS = ("run_asgi", "pause_writing", "resume_writing", "connection_lost", "handle_close",
           "keepalive_timeout", "handle_parser_exception", "shutdown", "send", "receive")
 

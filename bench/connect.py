@@ -1,0 +1,108 @@
+"""Connect cost: N clients connect, each subscribes its own new conversation, then all idle.
+
+Reports the gateway's CPU seconds per connection, the wall time to connect everyone and the
+RSS added per connection, for one ``gateway serve`` process on a private server. With
+``--profile`` it runs the gateway under ``py-spy record`` (raw stacks to a file) while the
+clients connect, so the time per part of the connect path can be read off.
+
+    .venv/bin/python bench/connect.py                    # 2000 clients, 200 at a time
+    .venv/bin/python bench/connect.py --clients 5000 --profile /tmp/connect.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import psutil
+from websockets.asyncio.client import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fanout import free_port, start_gateway
+
+from gateway.auth import issue_token
+from gateway.embedded import EmbeddedRedis
+
+
+async def client(url: str, index: int, opened: list[object]) -> None:
+    ws = await connect(url, compression=None, open_timeout=60)
+    assert msgspec.json.decode(await ws.recv())["type"] == "hello"
+    await ws.send(msgspec.json.encode({"type": "subscribe", "chat_id": f"idle-{index}"}).decode())
+    while msgspec.json.decode(await ws.recv())["type"] != "subscribed":
+        pass
+    opened.append(ws)
+
+
+async def run(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="gateway-connect-"))
+    redis = EmbeddedRedis(tmp / "redis", persistent=False)
+    (tmp / "redis").mkdir()
+    redis_url = redis.start()
+    secret, port = secrets.token_hex(16), free_port()
+    proc = start_gateway(redis_url, secret, port, tmp)
+    server = psutil.Process(proc.pid)
+    spy = None
+    try:
+        if args.profile:
+            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",  # noqa: ASYNC220
+                                    "-p", str(proc.pid), "-r", "500", "-f", "raw", "-o",
+                                    args.profile, "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            await asyncio.sleep(1)  # py-spy attaches
+        rss0, cpu0 = server.memory_info().rss, sum(server.cpu_times()[:2])
+        urls = [f"ws://127.0.0.1:{port}/v1/ws?token="
+                + issue_token(secret, f"idle{i}", "service") for i in range(args.clients)]
+        opened: list[object] = []
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def one(i: int) -> None:
+            async with gate:
+                await client(urls[i], i, opened)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(args.clients)))
+        wall = time.perf_counter() - start
+        cpu = sum(server.cpu_times()[:2]) - cpu0
+        await asyncio.sleep(2)  # let the server settle before reading RSS
+        rss = server.memory_info().rss - rss0
+        cpu_idle0 = sum(server.cpu_times()[:2])
+        await asyncio.sleep(args.idle)
+        idle_pct = (sum(server.cpu_times()[:2]) - cpu_idle0) / args.idle * 100
+        n = len(opened)
+        print(f"{n} clients connected+subscribed in {wall:.2f} s; gateway CPU "
+              f"{cpu * 1e6 / n:.0f} us/connection; RSS +{rss / 1024 / n:.1f} KiB/connection; "
+              f"idle CPU {idle_pct:.1f} %")
+        await asyncio.gather(*(ws.close() for ws in opened))  # type: ignore[attr-defined]
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on ^C
+            spy.wait()
+        proc.terminate()
+        proc.wait()
+        redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--idle", type=float, default=5.0, help="seconds idle CPU is measured")
+    parser.add_argument("--profile", help="py-spy raw output file")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Redis commands issued in the same loop turn go to the server as one pipeline.
+
+redis-py sends every command on its own: a pool checkout, a socket write and a read each.
+Under load (a reconnect storm, thousands of publishes a second) that per-command cost is
+the gateway's. Here commands queue until the loop turn ends and then leave together, in
+the order they were issued, on one connection. Each caller still gets its own reply or its
+own error: the pipeline is not a transaction, and one command's failure leaves the others
+as they were. Alone, a command costs what it did before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, ResponseError
+
+Queued = tuple[tuple[Any, ...], AsyncScript | None, asyncio.Future[Any]]
+
+
+class AutoPipeline:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._queued: list[Queued] = []
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def execute(self, *args: Any) -> Any:
+        """One command, with redis-py's reply parsing (``HGETALL`` gives a dict...)."""
+        return await self._enqueue(args, None)
+
+    async def evalsha(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
+        """A registered script; loaded again if the server lost its script cache."""
+        return await self._enqueue(("EVALSHA", script.sha, len(keys), *keys, *args), script)
+
+    def _enqueue(self, args: tuple[Any, ...], script: AsyncScript | None
+                 ) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queued.append((args, script, future))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        batch, self._queued = self._queued, []
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[Queued]) -> None:
+        try:
+            if len(batch) == 1:
+                replies: list[Any] = [await self._one(batch[0][0])]
+            else:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for args, _, _ in batch:
+                        pipe.execute_command(*args)
+                    replies = await pipe.execute(raise_on_error=False)
+            for i, (args, script, _) in enumerate(batch):
+                if isinstance(replies[i], NoScriptError) and script is not None:
+                    await script.registered_client.script_load(script.script)
+                    replies[i] = await self._one(args)
+        except Exception as exc:  # the round trip itself failed: every caller hears it
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, _, future), reply in zip(batch, replies, strict=True):
+            if future.done():
+                continue  # the caller went away; the command stands
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+    async def _one(self, args: tuple[Any, ...]) -> Any:
+        try:
+            return await self._redis.execute_command(*args)
+        except ResponseError as exc:  # a reply for this caller, not a failed round trip
+            return exc

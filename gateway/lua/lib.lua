@@ -1,0 +1,41 @@
+-- Shared by every script: the store prepends this file to each one when it loads it, so
+-- a conversation is created, saved and announced the same way everywhere.
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The meta hash as a table, or nil when the conversation does not exist.
+local function load_meta(key)
+  local flat = redis.call('HGETALL', key)
+  if #flat == 0 then return nil end
+  local m = {}
+  for i = 1, #flat, 2 do m[flat[i]] = flat[i + 1] end
+  if not m.epoch then return nil end
+  return m
+end
+
+-- A new conversation's state.
+local function new_meta(owner, epoch, now)
+  return {owner = owner, epoch = epoch, seq = '0', status = 'idle', title = '', turn_id = '',
+          started_at = '', goal = '', preview = '', created_at = tostring(now),
+          updated_at = tostring(now)}
+end
+
+local function save_meta(key, m)
+  local flat = {}
+  for k, v in pairs(m) do flat[#flat + 1] = k; flat[#flat + 1] = v end
+  redis.call('HSET', key, unpack(flat))
+end
+
+-- Tell the owner's devices (their conversation feed) about the conversation's state.
+local function announce(feed_prefix, chat, m, now, created)
+  redis.call('PUBLISH', feed_prefix .. m.owner,
+    '{"type":"conversation","chat_id":' .. cjson.encode(chat) ..
+    ',"title":' .. (m.title ~= '' and cjson.encode(m.title) or 'null') ..
+    ',"status":"' .. m.status .. '","updated_at":' .. now .. ',"last_seq":' .. m.seq ..
+    ',"goal_state":' .. (m.goal ~= '' and m.goal or 'null') ..
+    ',"preview":' .. (m.preview ~= '' and cjson.encode(m.preview) or 'null') ..
+    ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}')
+end

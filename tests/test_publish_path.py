@@ -1,0 +1,268 @@
+"""The publish path: group-committed script calls, and the cache of verified tokens.
+
+Publishes that reach the store in the same event-loop turn go to Redis as one pipeline; each
+must still get its own reply or its own error. A token verified once is cached, and must be
+refused the moment it expires all the same. Real processes, real Redis, real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import anyio
+import httpx
+import jwt
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.store import stream_key
+
+from .wsclient import connect
+
+pytestmark = pytest.mark.anyio
+
+Body = dict[str, Any]
+
+
+async def create(http: httpx.AsyncClient, gw: Any, user: str, chat_id: str) -> str:
+    resp = await http.post("/v1/conversations", json={"chat_id": chat_id},
+                           headers=gw.headers(user))
+    assert resp.status_code == 201, resp.text
+    epoch: str = resp.json()["epoch"]
+    return epoch
+
+
+class Job:
+    """One HTTP publish and what it must get back."""
+
+    def __init__(self, chat_id: str, body: Body, status: int = 200, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        self.chat_id = chat_id
+        self.body = body
+        self.status = status
+        self.code = code
+        self.headers = headers
+        self.resp: httpx.Response | None = None
+
+    @property
+    def events(self) -> list[Body]:
+        return list(self.body["events"]) if "events" in self.body else [self.body]
+
+
+async def fire(gw: Any, jobs: list[Job]) -> None:
+    """Every job at once, over as many connections: their publishes reach the gateway in a
+    burst, so many of them share a loop turn (and a pipeline)."""
+    limits = httpx.Limits(max_connections=len(jobs), max_keepalive_connections=len(jobs))
+    service = gw.headers("agent", "service")
+    async with httpx.AsyncClient(base_url=gw.http, limits=limits, timeout=30) as http:
+        replies = await asyncio.gather(*(
+            http.post(f"/v1/conversations/{job.chat_id}/events", json=job.body,
+                      headers=job.headers or service)
+            for job in jobs))
+    for job, resp in zip(jobs, replies, strict=True):
+        job.resp = resp
+
+
+def check_reply(job: Job, epoch: str | None) -> None:
+    """The job got its own status and body: an error with its code, or its seqs."""
+    resp = job.resp
+    assert resp is not None
+    assert resp.status_code == job.status, (job.chat_id, job.body, resp.text)
+    body = resp.json()
+    if job.status != 200:
+        assert set(body) == {"error"}, body
+        assert body["error"]["code"] == job.code, (job.body, body)
+        return
+    assert body["chat_id"] == job.chat_id and body["epoch"] == epoch, body
+    assert body["duplicate"] is False
+    seqs = body["seqs"]
+    # A batch gets consecutive seqs; its last is the reply's last_seq.
+    assert len(seqs) == len(job.events), body
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and body["last_seq"] == seqs[-1]
+
+
+async def test_one_refused_publish_in_a_burst_leaves_the_others_intact(
+    gateway: Any, redis_url: str, user: str, chat_id: str
+) -> None:
+    chats = [f"{chat_id}-{k}" for k in "abc"]
+    missing = f"{chat_id}-missing"  # never created: the script refuses with not_found
+    broken = f"{chat_id}-broken"  # its stream key is not a stream: the script itself errors
+    intruder = user + "x"
+    redis = aioredis.from_url(redis_url)
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        epochs = {chat: await create(http, gateway, user, chat) for chat in [*chats, broken]}
+    await redis.set(stream_key(broken), "not a stream")
+
+    jobs: list[Job] = []
+    for chat in chats:
+        for i in range(40):
+            if i % 4 == 3:  # a batch of three
+                jobs.append(Job(chat, {"events": [{"type": "note", "data": {"c": chat, "i": i,
+                                                                             "j": j}}
+                                                  for j in range(3)]}))
+            else:
+                jobs.append(Job(chat, {"type": "note", "data": {"c": chat, "i": i}}))
+        # Refused by the script: no turn is running.
+        jobs += [Job(chat, {"type": "turn_end", "data": {"reason": "complete"}}, 409,
+                     "no_active_turn") for _ in range(6)]
+        # A batch whose last event is refused writes nothing at all.
+        jobs += [Job(chat, {"events": [{"type": "note", "data": {"c": chat, "doomed": k}},
+                                       {"type": "turn_end", "data": {}}]},
+                     409, "no_active_turn") for k in range(4)]
+        # Refused before the store: a user token, a reserved type.
+        jobs.append(Job(chat, {"type": "note", "data": {"c": chat, "user": True}}, 403,
+                        "forbidden", gateway.headers(user)))
+        jobs.append(Job(chat, {"type": "turn_start", "data": {}}, 400, "reserved_type"))
+    jobs += [Job(missing, {"type": "note", "data": {}}, 404, "not_found") for _ in range(8)]
+    jobs += [Job(broken, {"type": "note", "data": {"i": i}}, 503, "backend_unavailable")
+             for i in range(8)]
+    random.Random(11).shuffle(jobs)
+
+    # Meanwhile another user's messages are refused by the script too, over a WebSocket.
+    async def intrude() -> list[str]:
+        codes = []
+        async with connect(gateway.url(intruder)) as ws:
+            for n in range(10):
+                await ws.send({"type": "message", "chat_id": chats[n % 3], "text": "hi",
+                               "client_msg_id": f"m{n}", "id": n})
+                err = await ws.expect("error", id=n, chat_id=chats[n % 3])
+                codes.append(err["code"])
+        return codes
+
+    try:
+        intruding = asyncio.create_task(intrude())
+        await fire(gateway, jobs)
+        assert await intruding == ["forbidden"] * 10
+
+        for job in jobs:
+            check_reply(job, epochs.get(job.chat_id))
+        async with httpx.AsyncClient(base_url=gateway.http) as http:
+            owner = gateway.headers(user)
+            for chat in chats:
+                valid = [job for job in jobs if job.chat_id == chat and job.status == 200]
+                expected: dict[int, Body] = {}
+                for job in valid:
+                    assert job.resp is not None
+                    for seq, event in zip(job.resp.json()["seqs"], job.events, strict=True):
+                        assert seq not in expected, seq  # no seq handed out twice
+                        expected[seq] = event["data"]
+                total = sum(len(job.events) for job in valid)
+                assert sorted(expected) == list(range(1, total + 1))  # consecutive from 1
+                page = (await http.get(f"/v1/conversations/{chat}/events?after=0&limit=1000",
+                                       headers=owner)).json()
+                assert page["last_seq"] == total and page["next_after"] is None
+                # History holds exactly the valid events, once each, each at its reply's seq.
+                assert [(e["seq"], e["type"], e["data"]) for e in page["events"]] == [
+                    (seq, "note", expected[seq]) for seq in range(1, total + 1)]
+                conv = (await http.get(f"/v1/conversations/{chat}", headers=owner)).json()
+                assert conv["status"] == "idle" and conv["last_seq"] == total
+            assert (await http.get(f"/v1/conversations/{missing}", headers=owner)
+                    ).status_code == 404
+
+            # The failed script calls wrote nothing: repaired, the broken chat starts at 1.
+            await redis.delete(stream_key(broken))
+            resp = await http.post(f"/v1/conversations/{broken}/events",
+                                   json={"type": "note", "data": {"after": "repair"}},
+                                   headers=gateway.headers("agent", "service"))
+            assert resp.status_code == 200 and resp.json()["seqs"] == [1], resp.text
+    finally:
+        await redis.aclose()
+
+
+async def test_idempotent_retries_in_one_burst_append_once(
+    gateway: Any, user: str, chat_id: str
+) -> None:
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        epoch = await create(http, gateway, user, chat_id)
+    keys = [f"k{n}" for n in range(10)]
+    jobs = [Job(chat_id, {"events": [{"type": "note", "data": {"key": key, "j": j}}
+                                     for j in range(2)], "idempotency_key": key})
+            for key in keys for _ in range(5)]
+    random.Random(5).shuffle(jobs)
+    await fire(gateway, jobs)
+    firsts: Counter[str] = Counter()
+    seqs_by_key: dict[str, set[tuple[int, ...]]] = {}
+    for job in jobs:
+        assert job.resp is not None and job.resp.status_code == 200, job.resp
+        body = job.resp.json()
+        assert body["epoch"] == epoch
+        key = job.body["idempotency_key"]
+        seqs_by_key.setdefault(key, set()).add(tuple(body["seqs"]))
+        if not body["duplicate"]:
+            firsts[key] += 1
+    assert firsts == dict.fromkeys(keys, 1)  # each key appended by exactly one request
+    assert all(len(s) == 1 for s in seqs_by_key.values())  # the others echo its seqs
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        page = (await http.get(f"/v1/conversations/{chat_id}/events?after=0",
+                               headers=gateway.headers(user))).json()
+    assert [e["seq"] for e in page["events"]] == list(range(1, 2 * len(keys) + 1))
+    for key, (seqs,) in ((k, tuple(v)) for k, v in seqs_by_key.items()):
+        assert [page["events"][s - 1]["data"] for s in seqs] == [{"key": key, "j": j}
+                                                                 for j in range(2)]
+
+
+async def test_a_burst_after_the_script_cache_was_flushed_succeeds(
+    gateway: Any, redis_url: str, user: str, chat_id: str
+) -> None:
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        epoch = await create(http, gateway, user, chat_id)
+    redis = aioredis.from_url(redis_url)
+    try:
+        await redis.script_flush()  # e.g. a restarted or failed-over server
+    finally:
+        await redis.aclose()
+    jobs = [Job(chat_id, {"type": "note", "data": {"i": i}}) for i in range(60)]
+    await fire(gateway, jobs)
+    for job in jobs:
+        check_reply(job, epoch)
+    seqs = sorted(s for job in jobs for s in job.resp.json()["seqs"])  # type: ignore[union-attr]
+    assert seqs == list(range(1, 61))
+
+
+# --- the token cache ---------------------------------------------------------------------
+
+
+async def test_a_cached_token_is_refused_once_it_expires(gateway: Any, user: str,
+                                                         chat_id: str) -> None:
+    token = gateway.token(user, ttl=2)  # expires 1-2 s from now
+    exp = jwt.decode(token, options={"verify_signature": False})["exp"]
+    bearer = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        # Verified, and so cached, by both kinds of route, over both ways of sending it.
+        assert (await http.get("/v1/conversations", headers=bearer)).status_code == 200
+        assert (await http.get(f"/v1/conversations?token={token}")).status_code == 200
+        async with connect(f"{gateway.ws}?token={token}") as ws:
+            await ws.subscribe(chat_id)
+            assert (await http.get(f"/v1/conversations/{chat_id}", headers=bearer)
+                    ).status_code == 200
+            # The session's own expiry timer is the event that says the time has come.
+            assert await ws.close_code(timeout=6) == 4011
+        # A timer may fire a hair early: make sure the wall clock is past `exp` too.
+        for _ in range(100):
+            if time.time() > exp:
+                break
+            await anyio.sleep(0.01)
+        assert time.time() > exp
+
+        for resp in (await http.get("/v1/conversations", headers=bearer),
+                     await http.get(f"/v1/conversations?token={token}"),
+                     await http.get(f"/v1/conversations/{chat_id}/events?after=0",
+                                    headers=bearer)):
+            assert resp.status_code == 401, resp.text
+            error = resp.json()["error"]
+            assert error["code"] == "unauthorized" and "expired" in error["message"], error
+        # The same once more: a refusal is not cached as a success either.
+        assert (await http.get("/v1/conversations", headers=bearer)).status_code == 401
+
+    async with connect(f"{gateway.ws}?token={token}", hello=False) as ws:
+        assert await ws.close_code() == 4001
+        assert "expired" in (ws.ws.close_reason or "")
+    async with connect(gateway.ws, hello=False, additional_headers=bearer) as ws:
+        assert await ws.close_code() == 4001
+    # A fresh token for the same user works, so what was refused was the token alone.
+    async with connect(gateway.url(user)) as ws:
+        assert (await ws.subscribe(chat_id))["chat_id"] == chat_id
