@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
 from redis.exceptions import RedisError
+from starlette.datastructures import Headers, QueryParams
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from . import protocol as p
 from . import sse
@@ -34,8 +36,12 @@ class JSONResponse(Response):
         return content if isinstance(content, bytes) else _encode(content)
 
 
+def _error_body(code: str, message: str) -> bytes:
+    return _encode({"error": {"code": code, "message": message}})
+
+
 def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+    return JSONResponse(_error_body(code, message), status_code=status)
 
 
 class NewConversation(msgspec.Struct, frozen=True):
@@ -153,23 +159,79 @@ def conversation_view(chat_id: str, meta: Meta) -> dict[str, Any]:
 # --- routes ---------------------------------------------------------------------------
 
 
-async def publish_events(request: Request) -> Response:
-    who = _principal(request)
-    if not who.is_service:
-        raise Rejected("forbidden", "publishing needs a service token")
-    chat_id = _chat_id(request)
-    body = await _read_body(request)
-    try:
-        batch = _publish_body(body).batch()
-    except msgspec.ValidationError as exc:
-        raise Rejected("unprocessable", str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
-    result = await _gateway(request).conversations.publish(
-        who, chat_id, list(batch.events), batch.idempotency_key
-    )
-    return JSONResponse({"chat_id": chat_id, "epoch": result.epoch, "seqs": result.seqs,
-                         "last_seq": result.last_seq, "duplicate": result.duplicate})
+class PublishEndpoint:
+    """``POST /v1/conversations/{chat_id}/events``, the durable-publish hot path.
+
+    A plain ASGI app that :class:`~gateway.app.GatewayApp` calls directly: agents publish
+    thousands of times a second, and Starlette's routing and middleware cost as much as the
+    publish itself. Replies and errors have the same shape as every other route's.
+    """
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            status, body = 200, await self._publish(scope, receive)
+        except Rejected as exc:
+            status, body = exc.http_status, _error_body(exc.code, exc.message)
+        except (RedisError, ConnectionError) as exc:
+            status, body = 503, _error_body("backend_unavailable", f"redis: {exc}")
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _publish(self, scope: Scope, receive: Receive) -> bytes:
+        headers = Headers(scope=scope)
+        query = scope.get("query_string", b"")
+        token = bearer(headers.get("authorization"),
+                       QueryParams(query).get("token") if b"token=" in query else None)
+        try:
+            who = self.gateway.tokens.verify(token)
+        except AuthError as exc:
+            raise Rejected("unauthorized", str(exc)) from None
+        if not who.is_service:
+            raise Rejected("forbidden", "publishing needs a service token")
+        chat_id = scope["path"][len(CONVERSATIONS):-len(EVENTS)]
+        if not p.CHAT_ID_RE.match(chat_id):
+            raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise Rejected("invalid_request", "the client went away")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        try:
+            batch = _publish_body(chunks[0] if len(chunks) == 1 else b"".join(chunks)).batch()
+        except msgspec.ValidationError as exc:
+            raise Rejected("unprocessable", str(exc)) from None
+        except msgspec.DecodeError as exc:
+            raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
+        result = await self.gateway.conversations.publish(
+            who, chat_id, list(batch.events), batch.idempotency_key
+        )
+        return _encode({"chat_id": chat_id, "epoch": result.epoch, "seqs": result.seqs,
+                        "last_seq": result.last_seq, "duplicate": result.duplicate})
+
+    @staticmethod
+    def matches(scope: Scope) -> bool:
+        path: str = scope["path"]
+        return (scope["method"] == "POST" and path.startswith(CONVERSATIONS)
+                and path.endswith(EVENTS) and "/" not in path[len(CONVERSATIONS):-len(EVENTS)])
+
+
+CONVERSATIONS = "/v1/conversations/"
+EVENTS = "/events"
 
 
 async def create_conversation(request: Request) -> Response:
@@ -273,7 +335,6 @@ routes = [
     Route("/v1/conversations/{chat_id}", get_conversation, methods=["GET"]),
     Route("/v1/conversations/{chat_id}", rename_conversation, methods=["PATCH"]),
     Route("/v1/conversations/{chat_id}", delete_conversation, methods=["DELETE"]),
-    Route("/v1/conversations/{chat_id}/events", publish_events, methods=["POST"]),
     Route("/v1/conversations/{chat_id}/events", history, methods=["GET"]),
     Route("/v1/conversations/{chat_id}/stream", sse.stream),
 ]

@@ -1,9 +1,10 @@
 """The app factory: routes and lifespan wired to one :class:`Gateway`.
 
-``/v1/ws`` goes straight to :class:`~gateway.connect.SocketEndpoint`; everything else goes
-through Starlette. A WebSocket lives for hours: the middleware a request needs for its
-milliseconds (error pages, exception handlers, routing) would sit in every connection's task
-for all that time.
+The two hot paths skip Starlette: ``/v1/ws`` goes straight to
+:class:`~gateway.connect.SocketEndpoint` (a WebSocket lives for hours, and the middleware a
+request needs for its milliseconds would sit in every connection's task all that time), and
+``POST /v1/conversations/{chat_id}/events`` to :class:`~gateway.api.PublishEndpoint` (its
+routing and middleware cost as much as the publish). Everything else goes through Starlette.
 """
 
 from __future__ import annotations
@@ -26,14 +27,19 @@ WEBSOCKET_PATH = "/v1/ws"
 class GatewayApp:
     """The ASGI app: the WebSocket endpoint, or Starlette for the rest."""
 
-    def __init__(self, starlette: Starlette, sockets: SocketEndpoint) -> None:
+    def __init__(self, starlette: Starlette, sockets: SocketEndpoint,
+                 publish: api.PublishEndpoint) -> None:
         self.starlette = starlette
         self.sockets = sockets
+        self.publish = publish
         self.state = starlette.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket" and scope["path"] == WEBSOCKET_PATH:
+        kind = scope["type"]
+        if kind == "websocket" and scope["path"] == WEBSOCKET_PATH:
             await self.sockets(scope, receive, send)  # type: ignore[arg-type]
+        elif kind == "http" and api.PublishEndpoint.matches(scope):
+            await self.publish(scope, receive, send)
         else:
             await self.starlette(scope, receive, send)
 
@@ -57,4 +63,4 @@ def create_app(settings: Settings | None = None) -> GatewayApp:
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return GatewayApp(app, SocketEndpoint(gateway))
+    return GatewayApp(app, SocketEndpoint(gateway), api.PublishEndpoint(gateway))

@@ -26,6 +26,9 @@ class AutoPipeline:
         self._queued: list[Queued] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        # Python 3.11's get_running_loop() makes a getpid() system call every time, on the
+        # hottest line of the gateway: look the loop up once per batch, not once per call.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def execute(self, *args: Any) -> Any:
         """One command, with redis-py's reply parsing (``HGETALL`` gives a dict...)."""
@@ -37,18 +40,20 @@ class AutoPipeline:
 
     def _enqueue(self, args: tuple[Any, ...], script: AsyncScript | None
                  ) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._queued.append((args, script, future))
         if not self._scheduled:
+            self._loop = asyncio.get_running_loop()
             self._scheduled = True
-            loop.call_soon(self._flush)
+            self._loop.call_soon(self._flush)
+        assert self._loop is not None
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._queued.append((args, script, future))
         return future
 
     def _flush(self) -> None:
         self._scheduled = False
         batch, self._queued = self._queued, []
-        task = asyncio.get_running_loop().create_task(self._send(batch))
+        assert self._loop is not None
+        task = self._loop.create_task(self._send(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

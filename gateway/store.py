@@ -15,6 +15,7 @@ cluster slot. Key layout::
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import zlib
 from importlib import resources
@@ -135,6 +136,21 @@ class History(msgspec.Struct, frozen=True):
     frames: list[tuple[int, bytes]]
 
 
+class Epochs:
+    """Fresh epoch names: a random prefix per process and a counter.
+
+    Unique like a random token, without a ``getrandom`` call on every publish (a publish
+    passes one in case it has to create the conversation).
+    """
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(5)
+        self._count = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._count):x}"
+
+
 def _script(name: str) -> str:
     """A script's source with ``lua/lib.lua`` (the shared functions) in front of it."""
     lua = resources.files("gateway").joinpath("lua")
@@ -150,6 +166,7 @@ class Store:
         # The hot paths (publish, read, state) go through the auto-pipeline; the rare ones
         # (lists, the agent inbox) use the client directly.
         self.pipeline = AutoPipeline(redis)
+        self._new_epoch = Epochs()
         self._publish = redis.register_script(_script("publish.lua"))
         self._read = redis.register_script(_script("read.lua"))
         self._delete = redis.register_script(_script("delete.lua"))
@@ -170,7 +187,7 @@ class Store:
             keys.append(idem_key(chat_id, idempotency_key))
         args: list[Any] = [
             room_channel(chat_id), FEED_PREFIX, self.settings.history_maxlen,
-            self.settings.idempotency_ttl, create_owner, secrets.token_hex(8), chat_id,
+            self.settings.idempotency_ttl, create_owner, self._new_epoch(), chat_id,
             len(events), note, writer,
         ]
         for event in events:
@@ -202,7 +219,7 @@ class Store:
         with ``create_owner``, a conversation that does not exist is created first."""
         flat, entries, created = await self.pipeline.evalsha(
             self._read, [meta_key(chat_id), stream_key(chat_id)],
-            ["" if after is None else after, limit, create_owner, secrets.token_hex(8),
+            ["" if after is None else after, limit, create_owner, self._new_epoch(),
              chat_id, FEED_PREFIX])
         meta = Meta.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
         if created and meta is not None:

@@ -74,12 +74,15 @@ end
 local seq = tonumber(m.seq)
 local seqs = {}
 local feed = created
+local changed = created  -- fields other than seq and updated_at changed
 for i = 0, n - 1 do
   local typ, durable, data, extra = ARGV[11 + i * 4], ARGV[12 + i * 4], ARGV[13 + i * 4], ARGV[14 + i * 4]
   if typ == 'user_message' then
     m.preview = extra
+    changed = true
   elseif typ == 'turn_start' then
     m.status, m.turn_id, m.started_at = 'running', extra, tostring(now)
+    changed = true
     data = '{"turn_id":' .. cjson.encode(extra) .. ',"started_at":' .. now .. '}'
     feed = true
   elseif typ == 'turn_end' then
@@ -88,18 +91,21 @@ for i = 0, n - 1 do
     data = '{"turn_id":' .. cjson.encode(m.turn_id) .. ',"latency_ms":' .. latency ..
            ',"goal_state":' .. goal .. ',' .. string.sub(data, 2)
     m.status, m.turn_id, m.started_at = 'idle', '', ''
+    changed = true
     feed = true
   elseif typ == 'cancel_requested' then
     data = '{"turn_id":' .. cjson.encode(m.turn_id) .. '}'
     note = m.turn_id
   elseif typ == 'goal_state' then
     m.goal = data
+    changed = true
     feed = true
   elseif typ == 'title' then
     local previous = m.title ~= '' and cjson.encode(m.title) or 'null'
     data = '{"title":' .. cjson.encode(data) .. ',"previous":' .. previous ..
            ',"source":' .. cjson.encode(extra) .. '}'
     m.title = ARGV[13 + i * 4]
+    changed = true
     feed = true
   end
   local head = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat)
@@ -117,10 +123,14 @@ for i = 0, n - 1 do
 end
 
 -- Ephemeral-only batches (token deltas: the hot path) leave the state untouched.
-if seq ~= tonumber(m.seq) or created then
+if seq ~= tonumber(m.seq) or changed then
   m.seq = tostring(seq)
   m.updated_at = tostring(now)
-  save_meta(meta, m)
+  if changed then
+    save_meta(meta, m)
+  else  -- a plain event: write only what moved
+    redis.call('HSET', meta, 'seq', m.seq, 'updated_at', m.updated_at)
+  end
 end
 
 if feed then
