@@ -20,6 +20,7 @@ from . import api, web
 from .config import Settings, load_settings
 from .connect import SocketEndpoint
 from .runtime import Gateway
+from .transport.uvicorn_ws import redact_request_logs
 
 WEBSOCKET_PATH = "/v1/ws"
 
@@ -46,6 +47,7 @@ class GatewayApp:
 
 def create_app(settings: Settings | None = None) -> GatewayApp:
     settings = settings or load_settings()
+    redact_request_logs()  # the server has configured its logging by now
     gateway = Gateway(settings)
 
     @contextlib.asynccontextmanager

@@ -66,15 +66,14 @@ class AutoPipeline:
                     for args, _, _ in batch:
                         pipe.execute_command(*args)
                     replies = await pipe.execute(raise_on_error=False)
-            for i, (args, script, _) in enumerate(batch):
-                if isinstance(replies[i], NoScriptError) and script is not None:
-                    await script.registered_client.script_load(script.script)
-                    replies[i] = await self._one(args)
         except Exception as exc:  # the round trip itself failed: every caller hears it
             for _, _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
             return
+        for i, (args, script, _) in enumerate(batch):
+            if isinstance(replies[i], NoScriptError) and script is not None:
+                replies[i] = await self._reload_and_run(script, args)
         for (_, _, future), reply in zip(batch, replies, strict=True):
             if future.done():
                 continue  # the caller went away; the command stands
@@ -82,6 +81,15 @@ class AutoPipeline:
                 future.set_exception(reply)
             else:
                 future.set_result(reply)
+
+    async def _reload_and_run(self, script: AsyncScript, args: tuple[Any, ...]) -> Any:
+        """The server lost its script cache (a restart, SCRIPT FLUSH): load, run again.
+        A failure here is this caller's alone: the others' writes stand."""
+        try:
+            await script.registered_client.script_load(script.script)
+            return await self._one(args)
+        except Exception as exc:
+            return exc
 
     async def _one(self, args: tuple[Any, ...]) -> Any:
         try:

@@ -2,8 +2,9 @@
 
 Everything is real: ``gateway serve`` processes on the session's Redis-compatible server,
 WebSockets and HTTP over loopback. These tests aim at what writing past uvicorn's send path
-could break: the order of fanned-out frames against the connection's own replies, writes to
-sockets that are going away, members leaving and rejoining the direct set, and a conversation
+could break: the order of fanned-out frames against the connection's own replies, the frame
+kind (text/binary) per connection, writes to sockets that are going away or closing, members
+leaving and rejoining the direct set (unsubscribe, leave, backpressure), and a conversation
 deleted under members that sit in it.
 """
 
@@ -32,8 +33,6 @@ pytestmark = pytest.mark.anyio
 # Log lines that mean something went wrong inside the gateway process.
 BAD_LOG_LINES = ("Traceback", "Task exception was never retrieved",
                  "socket.send() raised exception")
-
-
 BUFFER_MAX_FRAMES = 30
 
 
@@ -416,6 +415,64 @@ async def test_nothing_is_written_after_the_close_frame(
         await assert_usable(watcher, "end")
 
 
+# --- backpressure: out of the direct set while paused, back in once drained -------------
+
+
+def kernel_send_buffer_max() -> int:
+    """How much the kernel may buffer toward a peer that does not read (as test_security)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 4 << 20
+
+
+async def test_a_stalled_reader_pauses_then_rejoins_without_a_gap(
+    start_gateway: Any, user: str, chat_id: str
+) -> None:
+    """A member that stops reading fills its socket: its transport pauses, it leaves the
+    direct set and gets frames through ``deliver``; once it reads again it drains, resumes
+    and rejoins the direct set at the room's position. Nothing is lost or doubled, and the
+    room never waits for it."""
+    gw = start_gateway(queue_max_bytes=256 << 20)  # far from 4008: only the pause matters
+    blob = "y" * 16384
+    stalled_count = (2 * kernel_send_buffer_max() + (1 << 20)) // len(blob)  # past the kernel
+    live_count = 200
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", gw.port))
+    sock.setblocking(False)
+    async with connect(gw.url(user)) as fast_reader, \
+            connect(gw.url(user), max_queue=1, sock=sock) as stalled:
+        await fast_reader.subscribe(chat_id)
+        await stalled.subscribe(chat_id)  # and reads nothing for a while
+        async with httpx.AsyncClient(base_url=gw.http) as http:
+            headers = gw.headers("agent", "service")
+
+            async def publish_blobs() -> None:
+                for i in range(stalled_count):
+                    resp = await http.post(f"/v1/conversations/{chat_id}/events",
+                                           json={"type": "blob", "data": {"i": i, "b": blob}},
+                                           headers=headers)
+                    assert resp.status_code == 200, resp.text
+
+            task = asyncio.create_task(publish_blobs())
+            got = await fast_reader.events(chat_id, stalled_count, timeout=60)
+            await task
+            assert [f["seq"] for f in got] == list(range(1, stalled_count + 1))
+            # The stalled member now reads everything that piled up, then live events.
+            drained = await stalled.events(chat_id, stalled_count, timeout=60)
+            assert [f["seq"] for f in drained] == list(range(1, stalled_count + 1))
+            assert [f["data"]["i"] for f in drained] == list(range(stalled_count))
+            await assert_usable(stalled, "drained")
+            replies = await post_all(gw, [(chat_id, {"type": "note", "data": {"n": n}})
+                                          for n in range(live_count)])
+            assert all(r.status_code == 200 for r in replies)
+        expected = list(range(stalled_count + 1, stalled_count + live_count + 1))
+        for ws in (fast_reader, stalled):
+            assert [f["seq"] for f in await ws.events(chat_id, live_count)] == expected
+            await assert_usable(ws, "end")
+
+
 # --- leaving and rejoining the direct set ------------------------------------------------
 
 
@@ -493,6 +550,60 @@ async def test_unsubscribe_and_resubscribe_while_events_flow_is_gapless(
             assert [f["seq"] for f in await ws.events(chat_id, total)] == seqs
         for ws in (flipper, steady, steady_mp):
             await assert_usable(ws, "done")
+
+
+async def test_a_lone_member_leaving_and_rejoining_stays_live(
+    fast: Any, user: str, chat_id: str
+) -> None:
+    """The only member of a room leaves (the room and its pub/sub subscription go) and joins
+    again at once, over and over, while events are published: every rejoin must end up
+    subscribed (an UNSUBSCRIBE overtaking the new SUBSCRIBE would leave it deaf)."""
+    stop = asyncio.Event()
+    published = Progress()
+
+    async def publisher() -> None:
+        async with httpx.AsyncClient(base_url=fast.http) as http:
+            headers = fast.headers("agent", "service")
+            i = 0
+            while not stop.is_set():
+                resp = await http.post(f"/v1/conversations/{chat_id}/events",
+                                       json={"type": "note", "data": {"i": i}}, headers=headers)
+                assert resp.status_code == 200, resp.text
+                i += 1
+                await published.add()
+
+    async with connect(fast.url(user)) as ws:
+        epoch = (await ws.subscribe(chat_id))["epoch"]
+        task = asyncio.create_task(publisher())
+        seqs: list[int] = []
+        try:
+            for cycle in range(25):
+                await published.reach(published.count + 2)
+                await ws.send({"type": "leave", "chat_id": chat_id, "id": f"l{cycle}"})
+                while (frame := await ws.recv())["type"] != "left":
+                    assert is_event(frame, chat_id), frame
+                    seqs.append(frame["seq"])
+                since = {"seq": seqs[-1] if seqs else 0, "epoch": epoch}
+                sub = await ws.subscribe(chat_id, since=since)
+                assert sub["recovered"] is True, sub
+        finally:
+            stop.set()
+            await task
+        # Live after the last rejoin: whatever is still to come, then one more event.
+        last = (await publish_one(fast, chat_id))["seqs"][0]
+        while not seqs or seqs[-1] < last:
+            frame = await ws.recv()
+            assert is_event(frame, chat_id), frame
+            seqs.append(frame["seq"])
+        assert seqs == list(range(1, last + 1))
+        await assert_usable(ws, "end")
+
+
+async def publish_one(gw: Any, chat_id: str) -> dict[str, Any]:
+    replies = await post_all(gw, [(chat_id, {"type": "note", "data": {"last": True}})])
+    assert replies[0].status_code == 200, replies[0].text
+    body: dict[str, Any] = replies[0].json()
+    return body
 
 
 # --- a deleted conversation --------------------------------------------------------------

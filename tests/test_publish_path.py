@@ -1,8 +1,9 @@
-"""The publish path: group-committed script calls, and the cache of verified tokens.
+"""The publish path: coalesced store calls, and the cache of verified tokens.
 
 Publishes that reach the store in the same event-loop turn go to Redis as one pipeline; each
-must still get its own reply or its own error. A token verified once is cached, and must be
-refused the moment it expires all the same. Real processes, real Redis, real sockets.
+must still get its own reply or its own error, and a refused or failing script call must
+leave the others as they were. A token verified once is cached, and must be refused the
+moment it expires all the same. Real processes, real Redis, real sockets.
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ async def test_idempotent_retries_in_one_burst_append_once(
         page = (await http.get(f"/v1/conversations/{chat_id}/events?after=0",
                                headers=gateway.headers(user))).json()
     assert [e["seq"] for e in page["events"]] == list(range(1, 2 * len(keys) + 1))
-    for key, (seqs,) in ((k, tuple(v)) for k, v in seqs_by_key.items()):
+    for key, replies in seqs_by_key.items():
+        (seqs,) = replies
         assert [page["events"][s - 1]["data"] for s in seqs] == [{"key": key, "j": j}
                                                                  for j in range(2)]
 
@@ -228,7 +230,8 @@ async def test_a_burst_after_the_script_cache_was_flushed_succeeds(
 
 async def test_a_cached_token_is_refused_once_it_expires(gateway: Any, user: str,
                                                          chat_id: str) -> None:
-    token = gateway.token(user, ttl=2)  # expires 1-2 s from now
+    # `exp` is whole seconds: 1.5 to 2.5 s from now, time enough to use the token first.
+    token = gateway.token(user, ttl=2 if time.time() % 1 < 0.5 else 3)
     exp = jwt.decode(token, options={"verify_signature": False})["exp"]
     bearer = {"Authorization": f"Bearer {token}"}
     async with httpx.AsyncClient(base_url=gateway.http) as http:

@@ -49,7 +49,19 @@ class RedactTokens(logging.Filter):
         return True
 
 
+# Every logger that can print a request line or an ASGI scope: uvicorn's own (accepts,
+# errors, access, and at trace level each scope) and the one websockets' handshake parser
+# is given (at debug level it prints the request line).
+_REQUEST_LOGGERS = ("uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 _logger: logging.Logger | None = None
+
+
+def redact_request_logs() -> None:
+    """Keep ``token=`` values out of every uvicorn log line; safe to call again."""
+    for name in _REQUEST_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactTokens) for f in logger.filters):
+            logger.addFilter(RedactTokens())
 
 
 def redacting_logger() -> logging.Logger:
