@@ -67,6 +67,7 @@ class PublishBody(msgspec.Struct, frozen=True):
     durable: bool = True
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
     events: Annotated[list[PublishEvent], msgspec.Meta(min_length=1, max_length=500)] | None = None
+    attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
     def batch(self) -> PublishBatch:
         if self.events is not None:
@@ -75,7 +76,8 @@ class PublishBody(msgspec.Struct, frozen=True):
             return PublishBatch(self.events, self.idempotency_key)
         if self.type is None:
             raise Rejected("unprocessable", "Object missing required field `type`")
-        one = PublishEvent(self.type, self.data, self.durable, self.idempotency_key)
+        one = PublishEvent(self.type, self.data, self.durable, self.idempotency_key,
+                           self.attempt)
         return PublishBatch([one], self.idempotency_key)
 
 

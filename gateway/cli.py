@@ -151,7 +151,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     import logging
 
-    from .client import GatewayClient, GatewayError
+    from . import protocol as p
+    from .client import GatewayClient, GatewayError, StreamReset
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="gateway tail: %(message)s")
@@ -177,8 +178,15 @@ def cmd_tail(args: argparse.Namespace) -> int:
             emit((await client.subscribe(args.chat, seq=seq, epoch=epoch)).frame)
             async for item in client.events(args.chat):
                 # Events as received; a broken resume (a Recovery item) as the subscribed
-                # frame that said recovered: false.
-                emit(item.frame)
+                # frame that said recovered: false; an open stream's text after a resume as
+                # {"type": "stream", ...}.
+                if isinstance(item, StreamReset):
+                    emit({"type": "stream", "chat_id": item.chat_id, **msgspec.structs.asdict(
+                        p.StreamSnapshot(item.stream.id, item.stream.type,
+                                         item.stream.turn_id or "", item.stream.text,
+                                         item.stream.pos))})
+                else:
+                    emit(item.frame)
 
     try:
         asyncio.run(run())

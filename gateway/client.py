@@ -26,6 +26,9 @@ What it does for you
   backing off. The terminal codes 4001, 4003, 4004 (and an HTTP refusal of the handshake,
   say 403 for a bad ``Origin``) stop the client: pending calls and iterators raise
   :class:`TerminalError`.
+* **Liveness.** After ``idle_ping`` seconds (5) with nothing received, the client sends a
+  protocol ``ping``; when nothing arrives within ``pong_timeout`` (5) more, the connection
+  is taken for dead and replaced: a silent network loss is noticed within about 10 s.
 * **Resume.** The client remembers ``{seq, epoch}`` per chat (from ``subscribed`` and from
   every durable event) and, after a reconnect, resubscribes every chat with ``since``, so
   the server replays exactly what was missed. Durable events are de-duplicated by seq as a
@@ -38,6 +41,17 @@ What it does for you
   ``cancel`` that was already written when the connection dropped is not repeated (it is not
   idempotent): it fails with :class:`ConnectionLost`. Both return futures resolved by the
   ``ack`` (or failed by the ``error``) reply.
+
+Answers being written (streams)
+-------------------------------
+
+The client keeps each chat's open streams (``protocol.md``, "Streams"): :meth:`streams`
+returns them with their text so far. A streamed delta arrives as an :class:`Event` whose
+``stream_text`` is the stream's whole text so far; a delta already held is skipped, and one
+that skips a position makes the client resubscribe with ``since`` for a fresh snapshot.
+After every (re)subscribe that reports the open streams, a :class:`StreamReset` per stream
+gives its exact text: show it as is. A durable event whose ``data.stream_id`` names a
+stream (``message``, ``reasoning``) commits it, and ``stream_discarded`` drops it.
 
 How ``recovered: false`` reaches the application
 -----------------------------------------------
@@ -100,6 +114,7 @@ from .closecodes import (
     TOO_MANY,
     UNAUTHORIZED,
 )
+from .streaming import Applied, OpenStreams, StreamText
 
 __all__ = [
     "Ack",
@@ -111,6 +126,8 @@ __all__ = [
     "GatewayError",
     "Recovery",
     "RequestError",
+    "StreamReset",
+    "StreamText",
     "SubscribeResult",
     "TerminalError",
 ]
@@ -180,10 +197,31 @@ class Event:
     data: Any
     frame: dict[str, Any] = field(repr=False)
     """The whole frame as received."""
+    stream_text: str | None = None
+    """For a streamed delta: its stream's whole text so far, this delta included."""
 
     @property
     def durable(self) -> bool:
         return self.seq is not None
+
+    @property
+    def stream_id(self) -> str | None:
+        """The stream a delta belongs to, or that a commit (``message``...) closes."""
+        position = self.frame.get("stream")
+        if isinstance(position, dict):
+            return str(position.get("id"))
+        data = self.data
+        return data.get("stream_id") if isinstance(data, dict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReset:
+    """A (re)subscribe told the whole text of an open stream: show ``stream.text`` as is,
+    replacing whatever partial text of that stream was shown. Streams of the chat not reset
+    by the same ``subscribed`` are gone (committed or discarded meanwhile)."""
+
+    chat_id: str
+    stream: StreamText
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +272,8 @@ class SubscribeResult:
                    frame.get("buffered"), frame.get("overflowed"), frame)
 
 
-ChatItem = Event | Recovery
-AnyItem = Event | Recovery | Ended
+ChatItem = Event | Recovery | StreamReset
+AnyItem = Event | Recovery | StreamReset | Ended
 
 
 # --- inbox ------------------------------------------------------------------------------
@@ -326,7 +364,8 @@ class _Stream(AsyncIterator[T]):
 
 
 class _Chat:
-    __slots__ = ("buffered_gen", "desired", "dropping", "epoch", "live_gen", "seq", "waiters")
+    __slots__ = ("buffered_gen", "desired", "dropping", "epoch", "live_gen", "resyncing", "seq",
+                 "streams", "waiters")
 
     def __init__(self) -> None:
         self.desired = False  # the application wants it subscribed (resubscribed on reconnect)
@@ -336,6 +375,8 @@ class _Chat:
         self.live_gen: int | None = None  # connection on which the server has it live
         self.buffered_gen: int | None = None  # connection on which the server buffers it
         self.waiters: list[asyncio.Future[SubscribeResult]] = []
+        self.streams = OpenStreams()
+        self.resyncing = False  # a gap in a stream: waiting for a fresh snapshot
 
 
 class _Outgoing:
@@ -362,13 +403,14 @@ class _Request:
 
 
 class _Conn:
-    __slots__ = ("gen", "hello", "queue", "ws")
+    __slots__ = ("gen", "heard", "hello", "queue", "ws")
 
     def __init__(self, ws: ClientConnection, gen: int, hello: dict[str, Any]) -> None:
         self.ws = ws
         self.gen = gen
         self.hello = hello
         self.queue: asyncio.Queue[tuple[str, _Outgoing | None]] = asyncio.Queue()
+        self.heard = time.monotonic()  # when the last frame arrived
 
 
 class _Bucket:
@@ -418,6 +460,8 @@ class GatewayClient:
         backoff_max: float = 30.0,
         open_timeout: float = 10.0,
         feed_max: int = 1000,
+        idle_ping: float = 5.0,
+        pong_timeout: float = 5.0,
         **connect_kwargs: Any,
     ) -> None:
         if (token is None) == (token_factory is None):
@@ -428,6 +472,11 @@ class GatewayClient:
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
         self.open_timeout = open_timeout
+        # A connection that died silently (a phone changing networks, a laptop waking up) is
+        # noticed within idle_ping + pong_timeout: a ping after idle_ping seconds of silence,
+        # and a reconnect when nothing answers it.
+        self.idle_ping = idle_ping
+        self.pong_timeout = pong_timeout
         self._connect_kwargs = connect_kwargs
         self._chats: dict[str, _Chat] = {}
         self._outbox: list[_Outgoing] = []
@@ -497,6 +546,14 @@ class GatewayClient:
     def pending(self) -> int:
         """Messages and cancels not acknowledged yet (queued or in flight)."""
         return sum(1 for entry in self._outbox if not entry.future.done())
+
+    def streams(self, chat_id: str) -> list[StreamText]:
+        """The chat's open streams (answers being written) with their text so far."""
+        chat = self._chats.get(chat_id)
+        if chat is None:
+            return []
+        return [StreamText(s.id, s.type, s.turn_id, s.text, s.pos)
+                for s in chat.streams.by_id.values()]
 
     def position(self, chat_id: str) -> tuple[int | None, str | None]:
         """The ``(seq, epoch)`` the client would resume ``chat_id`` from."""
@@ -778,8 +835,10 @@ class GatewayClient:
             return False
         conn = self._on_hello(ws, hello)
         writer = asyncio.get_running_loop().create_task(self._write_loop(conn))
+        watchdog = asyncio.get_running_loop().create_task(self._watch(conn))
         try:
             async for raw in ws:
+                conn.heard = time.monotonic()
                 try:
                     frame = _decode(raw)
                 except msgspec.DecodeError:
@@ -790,8 +849,26 @@ class GatewayClient:
             pass
         finally:
             writer.cancel()
+            watchdog.cancel()
             self._on_disconnect(conn)
         return True
+
+    async def _watch(self, conn: _Conn) -> None:
+        """Ping a silent connection; drop it (and so reconnect) when the ping goes unheard."""
+        pinged = False
+        while True:
+            silent = time.monotonic() - conn.heard
+            if silent < self.idle_ping:
+                pinged = False
+                await asyncio.sleep(self.idle_ping - silent)
+            elif not pinged:
+                pinged = True
+                conn.queue.put_nowait((_encode({"type": "ping"}).decode(), None))
+                await asyncio.sleep(self.pong_timeout)
+            else:
+                log.warning("no answer for %.1fs: the connection is dead; reconnecting", silent)
+                conn.ws.transport.abort()
+                return
 
     def _on_hello(self, ws: ClientConnection, hello: dict[str, Any]) -> _Conn:
         self._gen += 1
@@ -836,10 +913,11 @@ class GatewayClient:
     def _write(self, conn: _Conn, entry: _Outgoing) -> None:
         conn.queue.put_nowait((_encode(entry.frame).decode(), entry))
 
-    def _send_subscribe(self, conn: _Conn, chat_id: str, chat: _Chat) -> None:
+    def _send_subscribe(self, conn: _Conn, chat_id: str, chat: _Chat,
+                        resync: bool = False) -> None:
         frame: dict[str, Any] = {"type": "subscribe", "chat_id": chat_id}
         since = None
-        if chat.buffered_gen == conn.gen or chat.live_gen == conn.gen:
+        if not resync and (chat.buffered_gen == conn.gen or chat.live_gen == conn.gen):
             pass  # the server has our buffer, or it is live: no replay needed
         elif chat.epoch is not None and chat.seq is not None:
             since = frame["since"] = {"seq": chat.seq, "epoch": chat.epoch}
@@ -892,7 +970,7 @@ class GatewayClient:
             if req is not None and req.future is not None and not req.future.done():
                 req.future.set_result(frame)
         elif isinstance(kind, str) and isinstance(frame.get("chat_id"), str):
-            self._on_event(frame)
+            self._on_event(conn, frame)
 
     def _on_subscribed(self, conn: _Conn, frame: dict[str, Any], req: _Request | None) -> None:
         result = SubscribeResult.from_frame(frame)
@@ -913,6 +991,11 @@ class GatewayClient:
                 # Live from here; a replay (if any) starts right after since.seq.
                 chat.seq = since["seq"] if since is not None else result.seq
         chat.live_gen = conn.gen
+        listed = result.snapshot.get("streams")
+        if listed is not None:  # omitted when we hold every open stream already
+            chat.resyncing = False
+            for stream in chat.streams.reset(listed):
+                self._inbox.put(chat_id, StreamReset(chat_id, stream))
         waiters, chat.waiters = chat.waiters, []
         for waiter in waiters:
             if not waiter.done():
@@ -948,11 +1031,24 @@ class GatewayClient:
         elif req.future is not None and not req.future.done():
             req.future.set_exception(error)
 
-    def _on_event(self, frame: dict[str, Any]) -> None:
+    def _on_event(self, conn: _Conn, frame: dict[str, Any]) -> None:
         chat_id: str = frame["chat_id"]
         chat = self._chats.get(chat_id)
         if chat is None or chat.dropping:
             return
+        stream_text = None
+        if "stream" in frame and chat.resyncing:
+            return  # the snapshot on its way holds it
+        applied, stream = chat.streams.apply(frame)
+        if applied is Applied.DUPLICATE:
+            return
+        if applied is Applied.GAP:
+            log.warning("%s: a stream skipped a position; resubscribing", chat_id)
+            chat.resyncing = True
+            self._send_subscribe(conn, chat_id, chat, resync=True)
+            return
+        if applied is Applied.APPENDED and stream is not None:
+            stream_text = stream.text
         seq = frame.get("seq")
         kind: str = frame["type"]
         if isinstance(seq, int):
@@ -965,7 +1061,7 @@ class GatewayClient:
         else:
             seq = None
         self._inbox.put(chat_id, Event(chat_id, kind, seq, frame.get("ts"), frame.get("data"),
-                                       frame))
+                                       frame, stream_text))
         if kind == "deleted":
             # The server ended the subscription; resubscribing would recreate the chat.
             chat.desired = False

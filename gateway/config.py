@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -45,6 +46,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat: float = 25.0  # WebSocket ping interval, seconds
     inbox_partitions: int = 8  # agent inbox streams; a chat always maps to the same one
     inbox_maxlen: int = 100_000  # entries kept per inbox partition (approximate trim)
+    # Ephemeral types that, published while a turn runs, form a resumable stream; each is
+    # `delta` (committed by `message`) or `X_delta` (committed by `X`).
+    stream_types: tuple[str, ...] = ("delta", "reasoning_delta")
+    stream_max_bytes: int = 1 << 20  # text one stream may hold (stream_too_large past it)
+    delta_window_ms: float = 25.0  # agent workers coalesce streamed pieces over this window
 
 
 _ENV_PREFIX = "GATEWAY_"
@@ -63,7 +69,7 @@ def _parse(name: str, raw: str, kind: object) -> object:
             return int(raw)
         if kind is float:
             return float(raw)
-        if name == "allowed_origins":
+        if name in ("allowed_origins", "stream_types"):
             return tuple(o.strip() for o in raw.split(",") if o.strip())
         return raw
     except ValueError:
@@ -85,9 +91,12 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
         raise ConfigError(str(exc)) from None
     for name in ("replay_limit", "buffer_max_frames", "buffer_max_bytes", "queue_max_bytes",
                  "max_frame_bytes", "max_subscriptions", "max_connections_per_user",
-                 "inbox_partitions"):
+                 "inbox_partitions", "stream_max_bytes"):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
+    for kind in settings.stream_types:
+        if not re.match(r"^(delta|[a-z][a-z0-9_.]{0,57}_delta)$", kind):
+            raise ConfigError(f"{_ENV_PREFIX}STREAM_TYPES: {kind!r} is not `delta` or `X_delta`")
     return settings
 
 

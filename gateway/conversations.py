@@ -39,6 +39,9 @@ class PublishEvent(msgspec.Struct, frozen=True):
     data: dict[str, Any] = {}
     durable: bool = True
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
+    # Which run of the turn a streamed delta comes from: a redelivered turn (another worker,
+    # another attempt) discards the open stream of the previous one.
+    attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
 
 class PublishBatch(msgspec.Struct, frozen=True):
@@ -73,7 +76,10 @@ def to_out_event(event: PublishEvent) -> OutEvent:
             return OutEvent(kind, clean_title(title.title).encode(), True, title.source)
     except msgspec.ValidationError as exc:
         raise Rejected("invalid_request", f"{kind}: {exc}") from None
-    return OutEvent(kind, _encode(event.data), event.durable)
+    if not event.durable:  # a streamed delta names its attempt (the store ignores it otherwise)
+        return OutEvent(kind, _encode(event.data), False, event.attempt or "")
+    # A commit (`message` closing the `delta` stream...) without text takes the stream's text.
+    return OutEvent(kind, _encode(event.data), True, "" if "text" in event.data else "fill")
 
 
 class Conversations:

@@ -2,8 +2,8 @@
 
 Run it with ``gateway agent gateway.demo_agent:handle`` (or in-process: the embedded default
 and dev mode start it inside the gateway, see :class:`gateway.runtime.Gateway`). It answers
-every message by streaming the answer word by word as ephemeral ``delta`` frames, then one
-durable ``message`` with the full text, and ends the turn. Commands:
+every message by streaming the answer word by word as ``delta`` frames (a resumable
+stream), then commits it as one durable ``message``, and ends the turn. Commands:
 
 - ``/goal <objective>``: start a goal (``goal_state`` active);
 - ``/done``: complete the active goal (``goal_state`` inactive, ``status: complete``, a recap);
@@ -108,9 +108,10 @@ async def handle(turn: Turn) -> None:
                  f"answers word by word. {HELP}")
 
     streamed = await stream(turn, reply, delay)
+    # No text: the message commits what was streamed (the gateway has it), sent once.
     if turn.cancelled:
         if streamed:
-            await turn.message(streamed.rstrip(), cancelled=True)
+            await turn.message(cancelled=True)
     else:
-        await turn.message(reply)
+        await turn.message()
     await turn.end(usage={"input_chars": len(turn.text), "output_words": len(streamed.split())})

@@ -10,6 +10,7 @@ HTTP_STATUS = {
     "reserved_type": 400,
     "text_too_long": 413,
     "payload_too_large": 413,
+    "stream_too_large": 413,
     "unauthorized": 401,
     "forbidden": 403,
     "not_found": 404,

@@ -43,11 +43,13 @@ _msgpack_encode = msgspec.msgpack.encode
 class Frame:
     """One server frame, encoded once per process whatever the number of recipients."""
 
-    __slots__ = ("_msgpack", "_text", "_wire_binary", "_wire_text", "json", "seq")
+    __slots__ = ("_msgpack", "_text", "_wire_binary", "_wire_text", "json", "seq", "stream")
 
-    def __init__(self, json: bytes, seq: int | None = None) -> None:
+    def __init__(self, json: bytes, seq: int | None = None,
+                 stream: tuple[str, int] | None = None) -> None:
         self.json = json
         self.seq = seq
+        self.stream = stream  # (stream id, position) of a streamed delta
         self._text: str | None = None
         self._msgpack: bytes | None = None
         self._wire_text: bytes | None = None
@@ -430,9 +432,14 @@ class Hub:
                 member.deliver_feed(frame)
 
     def _on_room_message(self, room: Room, data: bytes) -> None:
-        epoch, seq_text, json = data.split(b"|", 2)
+        # "<epoch>|<seq>|<stream id>:<pos>|<frame>", the parts that do not apply empty.
+        epoch, seq_text, stream, json = data.split(b"|", 3)
         seq = int(seq_text) if seq_text else None
-        frame = Frame(json, seq)
+        position = None
+        if stream:
+            stream_id, _, pos = stream.rpartition(b":")
+            position = (stream_id.decode(), int(pos))
+        frame = Frame(json, seq, position)
         if room.repairing:
             room.backlog.append((epoch.decode(), seq, frame))
             return

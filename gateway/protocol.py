@@ -27,7 +27,7 @@ Seq = Annotated[int, msgspec.Meta(ge=0)]
 # Event types whose meaning the gateway owns: agents cannot publish them as-is.
 GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
-     "hello", "subscribed", "unsubscribed", "left", "ack", "pong", "error"}
+     "stream_discarded", "hello", "subscribed", "unsubscribed", "left", "ack", "pong", "error"}
 )
 # Published by agents, but interpreted (and completed) by the gateway.
 SEMANTIC_TYPES = frozenset({"turn_end", "goal_state", "title"})
@@ -109,12 +109,25 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", omit_defaults=False):
     protocol: str = "v1"
 
 
-class Snapshot(msgspec.Struct):
+class StreamSnapshot(msgspec.Struct):
+    """An open stream: its text so far; the next live delta has position ``pos``."""
+
+    id: str
+    type: str
+    turn_id: str
+    text: str
+    pos: int
+
+
+class Snapshot(msgspec.Struct, omit_defaults=True):
     title: str | None
     status: Literal["idle", "running"]
     turn_id: str | None
     started_at: int | None
     goal_state: msgspec.Raw | None
+    # Omitted only when the connection already holds every open stream (an intact buffer
+    # drain, or a subscribe to a chat that is already live).
+    streams: list[StreamSnapshot] | None = None
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):

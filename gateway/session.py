@@ -394,16 +394,22 @@ class Session:
         if room is not None:
             self.hub.observe(room, meta.epoch, meta.seq)
         plan = plan_replay(since, meta.epoch, meta.seq, history.frames, self.settings.replay_limit)
+        streams = [p.StreamSnapshot(o.id, o.type, o.turn_id, o.text, o.pos)
+                   for o in history.streams]
         self._send(p.Subscribed(
             chat_id, meta.epoch, meta.seq, plan.recovered, len(plan.frames),
-            _snapshot(meta, self.codec.binary), req.id, overflowed=overflowed,
+            _snapshot(meta, self.codec.binary, streams), req.id, overflowed=overflowed,
         ))
         await self._send_paced([Frame(json, seq) for seq, json in plan.frames])
         last = meta.seq
+        # The snapshot holds each open stream's text up to its position: a delta before it
+        # is in that text already.
+        known = {o.id: o.pos for o in history.streams}
         # Frames that arrived while we awaited: keep the ones history did not cover.
         while sub.pending:
             pending, sub.pending = sub.pending, []
-            fresh = [f for f in pending if f.seq is None or f.seq > last]
+            fresh = [f for f in pending if (f.seq is None or f.seq > last)
+                     and (f.stream is None or f.stream[1] >= known.get(f.stream[0], 0))]
             for frame in fresh:
                 if frame.seq is not None:
                     last = frame.seq
@@ -496,7 +502,8 @@ class Session:
         self._send(await self.gateway.conversations.cancel(self.principal, req))
 
 
-def _snapshot(meta: Meta, binary: bool) -> p.Snapshot:
+def _snapshot(meta: Meta, binary: bool,
+              streams: list[p.StreamSnapshot] | None = None) -> p.Snapshot:
     goal = None
     if meta.goal:
         # The goal is stored as JSON; a Raw is spliced into the output as is, so a
@@ -508,6 +515,7 @@ def _snapshot(meta: Meta, binary: bool) -> p.Snapshot:
         turn_id=meta.turn_id,
         started_at=meta.started_at,
         goal_state=goal,
+        streams=streams,
     )
 
 

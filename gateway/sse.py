@@ -10,7 +10,13 @@ browser ``EventSource``, ``curl``, a serverless function). Every durable event i
 so the ``Last-Event-ID`` a client sends back on reconnect is the WebSocket ``since``, and the
 resume has the same guarantee: the response joins the hub room *before* reading history,
 ``recovery.plan_replay`` decides between every missed event and none, and live frames that
-arrived meanwhile are merged by seq (no gap, no duplicate). Ephemeral frames are not sent.
+arrived meanwhile are merged by seq (no gap, no duplicate).
+
+Streamed deltas (an answer being written) are sent too, with ids
+``<epoch>:<seq>:<stream id>:<pos>``. Each open stream first arrives whole, as one
+``event: stream`` (its text so far, ``pos`` the next position), unless the client's
+``Last-Event-ID`` shows it holds that text already; live deltas continue from there, and
+``stream_discarded`` drops one. Other ephemeral frames are not sent.
 
 Each response is a hub :class:`~gateway.hub.Member` whose queue is bounded in bytes: fan-out
 never waits for a slow reader. Past ``queue_max_bytes`` the stream ends and the client resumes
@@ -36,7 +42,7 @@ from .auth import AuthError, Principal, bearer
 from .errors import Rejected
 from .hub import Frame, Hub
 from .recovery import plan_replay
-from .store import Meta
+from .store import Meta, OpenStream
 
 if TYPE_CHECKING:
     from .runtime import Gateway
@@ -47,8 +53,12 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MEDIA_TYPE = "text/event-stream"
 PING = b": ping\n\n"
 CHUNK_BYTES = 64 * 1024  # a replay is written in chunks of about this size
-# "<epoch>:<seq>"; epochs are hex tokens, but any id-safe word is accepted.
-LAST_EVENT_ID_RE = re.compile(r"^([A-Za-z0-9_.-]{1,64}):(0|[1-9][0-9]{0,17})$")
+# "<epoch>:<seq>", or "<epoch>:<seq>:<stream id>:<pos>" after a streamed delta; epochs and
+# stream ids are hex-ish tokens, but any id-safe word is accepted.
+LAST_EVENT_ID_RE = re.compile(
+    r"^([A-Za-z0-9_.-]{1,64}):(0|[1-9][0-9]{0,17})(?::([A-Za-z0-9_.-]{1,80}):([0-9]{1,9}))?$")
+_DISCARDED = b'{"type":"stream_discarded"'
+
 
 _encode = msgspec.json.encode
 _TYPE_PREFIX = b'{"type":"'
@@ -78,7 +88,8 @@ class StreamMember:
     def deliver(self, chat_id: str, frame: Frame) -> None:
         if self.overflowed:
             return
-        if frame.seq is None and not frame.is_deleted:
+        if (frame.seq is None and frame.stream is None and not frame.is_deleted
+                and not frame.json.startswith(_DISCARDED)):
             return  # ephemeral: not sent over SSE
         size = frame.size
         if self.queued_bytes and self.queued_bytes + size > self.max_bytes:
@@ -137,16 +148,31 @@ def format_event(event: bytes, data: bytes, event_id: bytes | None = None) -> by
     return head + b"data: " + data + b"\n\n"
 
 
-def event_id(epoch: str, seq: int) -> bytes:
-    return f"{epoch}:{seq}".encode()
+def event_id(epoch: str, seq: int, stream: tuple[str, int] | None = None) -> bytes:
+    if stream is None:
+        return f"{epoch}:{seq}".encode()
+    return f"{epoch}:{seq}:{stream[0]}:{stream[1]}".encode()
 
 
-def parse_last_event_id(value: str) -> p.Since:
+class LastEventId(msgspec.Struct, frozen=True):
+    since: p.Since
+    stream: tuple[str, int] | None = None  # the last streamed delta the client holds
+
+
+def parse_last_event_id(value: str) -> LastEventId:
     match = LAST_EVENT_ID_RE.match(value.strip())
     if match is None:
-        raise Rejected("invalid_request",
-                       "Last-Event-ID must be '<epoch>:<seq>', as sent in an event's id")
-    return p.Since(int(match.group(2)), match.group(1))
+        raise Rejected("invalid_request", "Last-Event-ID must be '<epoch>:<seq>' or "
+                       "'<epoch>:<seq>:<stream>:<pos>', as sent in an event's id")
+    stream = (match.group(3), int(match.group(4))) if match.group(3) else None
+    return LastEventId(p.Since(int(match.group(2)), match.group(1)), stream)
+
+
+def stream_event(chat_id: str, epoch: str, seq: int, stream: OpenStream) -> bytes:
+    """An open stream, whole: the client shows ``text`` and continues at ``pos``."""
+    data = _encode({"chat_id": chat_id, "id": stream.id, "type": stream.type,
+                    "turn_id": stream.turn_id, "text": stream.text, "pos": stream.pos})
+    return format_event(b"stream", data, event_id(epoch, seq, (stream.id, stream.pos - 1)))
 
 
 def state_event(kind: bytes, chat_id: str, meta: Meta, recovered: bool) -> bytes:
@@ -190,7 +216,7 @@ async def stream(request: Request) -> Response:
     # The header wins: an EventSource reconnecting to a URL that carries ?last_event_id=
     # sends the newer position in the header.
     raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
-    since = parse_last_event_id(raw) if raw else None
+    last_id = parse_last_event_id(raw) if raw else None
     meta = await gateway.store.meta(chat_id)
     if meta is None:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
@@ -198,13 +224,14 @@ async def stream(request: Request) -> Response:
         raise Rejected("forbidden", "you may not access this conversation")
     if request.method == "HEAD":
         return Response(media_type=MEDIA_TYPE, headers=HEADERS)
-    return StreamingResponse(_events(request, gateway, who, chat_id, since),
+    return StreamingResponse(_events(request, gateway, who, chat_id, last_id),
                              media_type=MEDIA_TYPE, headers=HEADERS)
 
 
 async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: str,
-                  since: p.Since | None) -> AsyncIterator[bytes]:
+                  last_id: LastEventId | None) -> AsyncIterator[bytes]:
     hub, store, settings = gateway.hub, gateway.store, gateway.settings
+    since = last_id.since if last_id is not None else None
     member = StreamMember(hub, settings.queue_max_bytes)
     try:
         await hub.join(chat_id, member)
@@ -234,7 +261,12 @@ async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: s
             if chunk:
                 yield bytes(chunk)
         last = meta.seq
-        async for piece in _live(request, member, chat_id, epoch, last, who.expires_at,
+        held = last_id.stream if last_id is not None and last_id.since.epoch == epoch else None
+        for open_stream in history.streams:
+            if held != (open_stream.id, open_stream.pos - 1):  # else the client has it all
+                yield stream_event(chat_id, epoch, last, open_stream)
+        known = {o.id: o.pos for o in history.streams}
+        async for piece in _live(request, member, chat_id, epoch, last, known, who.expires_at,
                                   settings.heartbeat):
             yield piece
     except (RedisError, ConnectionError, OSError, TimeoutError) as exc:
@@ -244,8 +276,10 @@ async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: s
 
 
 async def _live(request: Request, member: StreamMember, chat_id: str, epoch: str, last: int,
-                expires_at: float | None, heartbeat: float) -> AsyncIterator[bytes]:
-    """Live frames with seq > ``last``, a ping comment when idle, until the stream must end."""
+                known: dict[str, int], expires_at: float | None,
+                heartbeat: float) -> AsyncIterator[bytes]:
+    """Live frames with seq > ``last`` (and deltas at or past the positions ``known`` from
+    the snapshot), a ping comment when idle, until the stream must end."""
     while True:
         timeout = heartbeat
         if expires_at is not None:
@@ -275,7 +309,12 @@ async def _live(request: Request, member: StreamMember, chat_id: str, epoch: str
                 end = True
                 break
             seq = frame.seq
-            assert seq is not None
+            if seq is None:  # a streamed delta, or a stream discarded
+                stream = frame.stream
+                if stream is None or stream[1] >= known.get(stream[0], 0):
+                    out += format_event(event_type(frame.json), frame.json,
+                                        event_id(epoch, last, stream))
+                continue
             if tagged is not None and tagged != epoch:
                 end = True  # recreated under us: the reconnect gets an explicit reset
                 break

@@ -5,6 +5,8 @@ cluster slot. Key layout::
 
     c:{chat}:meta        hash: owner, title, status, turn_id, started_at, goal, epoch, seq, ...
     c:{chat}:stream      durable events, entry id "<seq>-0", field "f" = the encoded frame
+    c:{chat}:text:<type> the text of the conversation's open stream of a streamed type
+                         (its id, turn, next position and attempt: meta field st:<type>)
     c:{chat}:idem:<key>  first result of an idempotent publish or message (TTL)
     c:{chat}:ev          pub/sub channel of the room
     feed:<user>          pub/sub channel of a user's conversation feed
@@ -38,6 +40,10 @@ def meta_key(chat_id: str) -> str:
 
 def stream_key(chat_id: str) -> str:
     return f"c:{{{chat_id}}}:stream"
+
+
+def text_key(chat_id: str, stream_type: str) -> str:
+    return f"c:{{{chat_id}}}:text:{stream_type}"
 
 
 def idem_key(chat_id: str, key: str) -> str:
@@ -129,11 +135,28 @@ class Meta(msgspec.Struct, frozen=True):
         )
 
 
+class OpenStream(msgspec.Struct, frozen=True):
+    """A streamed answer not yet committed: its text so far and its next position."""
+
+    id: str
+    type: str
+    turn_id: str
+    text: str
+    pos: int
+
+    @classmethod
+    def parse(cls, kind: bytes, header: bytes, text: bytes) -> OpenStream:
+        stream_id, turn_id, pos, _attempt = header.decode().split(" ")
+        return cls(stream_id, kind.decode(), turn_id, text.decode(errors="replace"), int(pos))
+
+
 class History(msgspec.Struct, frozen=True):
-    """A conversation's state and the durable frames after some seq, read atomically."""
+    """A conversation's state, open streams and the durable frames after some seq, read
+    atomically."""
 
     meta: Meta | None
     frames: list[tuple[int, bytes]]
+    streams: list[OpenStream] = []
 
 
 class Epochs:
@@ -170,6 +193,12 @@ class Store:
         self._publish = redis.register_script(_script("publish.lua"))
         self._read = redis.register_script(_script("read.lua"))
         self._delete = redis.register_script(_script("delete.lua"))
+        self._stream_types = ",".join(settings.stream_types)
+
+    def _keys(self, chat_id: str) -> list[str]:
+        """The keys every script of a conversation gets: meta, stream, the text keys."""
+        return [meta_key(chat_id), stream_key(chat_id),
+                *(text_key(chat_id, kind) for kind in self.settings.stream_types)]
 
     async def publish(
         self,
@@ -182,13 +211,13 @@ class Store:
         writer: str = "",
     ) -> Published:
         """Append ``events`` in order; raise :class:`Rejected` if the state refuses them."""
-        keys = [meta_key(chat_id), stream_key(chat_id)]
+        keys = self._keys(chat_id)
         if idempotency_key is not None:
             keys.append(idem_key(chat_id, idempotency_key))
         args: list[Any] = [
             room_channel(chat_id), FEED_PREFIX, self.settings.history_maxlen,
             self.settings.idempotency_ttl, create_owner, self._new_epoch(), chat_id,
-            len(events), note, writer,
+            len(events), note, writer, self._stream_types, self.settings.stream_max_bytes,
         ]
         for event in events:
             args += [event.type, "1" if event.durable else "0", event.data, event.extra]
@@ -217,15 +246,17 @@ class Store:
                    create_owner: str = "") -> History:
         """The state plus up to ``limit`` durable frames with seq > ``after``, atomically;
         with ``create_owner``, a conversation that does not exist is created first."""
-        flat, entries, created = await self.pipeline.evalsha(
-            self._read, [meta_key(chat_id), stream_key(chat_id)],
+        flat, entries, created, open_streams = await self.pipeline.evalsha(
+            self._read, self._keys(chat_id),
             ["" if after is None else after, limit, create_owner, self._new_epoch(),
-             chat_id, FEED_PREFIX])
+             chat_id, FEED_PREFIX, self._stream_types])
         meta = Meta.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
         if created and meta is not None:
             await self.pipeline.execute("ZADD", index_key(meta.owner), meta.created_at, chat_id)
         frames = [(int(entry_id.split(b"-")[0]), fields[1]) for entry_id, fields in entries]
-        return History(meta, frames)
+        streams = [OpenStream.parse(*open_streams[i:i + 3])
+                   for i in range(0, len(open_streams), 3)]
+        return History(meta, frames, streams)
 
     async def meta(self, chat_id: str) -> Meta | None:
         raw: dict[bytes, bytes] = await self.pipeline.execute("HGETALL", meta_key(chat_id))
@@ -234,7 +265,7 @@ class Store:
     async def delete(self, chat_id: str) -> str | None:
         """Delete a conversation; returns its former owner, or None if it did not exist."""
         owner = await self.pipeline.evalsha(
-            self._delete, [meta_key(chat_id), stream_key(chat_id)],
+            self._delete, self._keys(chat_id),
             [room_channel(chat_id), FEED_PREFIX, chat_id],
         )
         if not owner:

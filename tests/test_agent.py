@@ -226,21 +226,28 @@ async def test_turn_api_publishes_every_kind_of_event_and_the_worker_ends_the_tu
     assert turn.meta is not None and turn.meta.status == "running"
 
     events = [f for f in frames if f["type"] not in ("ack", "user_message", "turn_start")]
+    # The pieces streamed within one window went out as one delta per stream; the durable
+    # tool_call flushed them first. The message (given its own text) commits the delta
+    # stream; the reasoning stream, never committed, is committed by the gateway as partial
+    # right before turn_end.
     assert [f["type"] for f in events] == [
-        "reasoning_delta", "delta", "delta", "tool_call", "tool_result", "message", "title",
-        "goal_state", "note", "turn_end"]
-    assert [f["seq"] is None for f in events[:3]] == [True, True, True]
-    assert all(isinstance(f["seq"], int) for f in events[3:])
-    assert [f["data"] for f in events[:3]] == [{"text": "thinking"}, {"text": "Hel"},
-                                               {"text": "lo"}]
-    call, result = events[3]["data"], events[4]["data"]
+        "reasoning_delta", "delta", "tool_call", "tool_result", "message", "title",
+        "goal_state", "note", "reasoning", "turn_end"]
+    assert [f["seq"] is None for f in events[:2]] == [True, True]
+    assert all(isinstance(f["seq"], int) for f in events[2:])
+    assert [f["data"] for f in events[:2]] == [{"text": "thinking"}, {"text": "Hello"}]
+    assert [f["stream"]["pos"] for f in events[:2]] == [0, 0]
+    call, result = events[2]["data"], events[3]["data"]
     assert call["name"] == "search" and call["args"] == {"q": "lisbon"}
     assert result == {"call_id": call["call_id"], "result": {"hits": 3}}
-    assert events[5]["data"] == {"text": "Hello", "mood": "cheerful"}
-    assert events[6]["data"]["title"] == "A greeting" and events[6]["data"]["source"] == "agent"
-    goal = events[7]["data"]
+    assert events[4]["data"] == {"stream_id": events[1]["stream"]["id"], "text": "Hello",
+                                 "mood": "cheerful"}
+    assert events[5]["data"]["title"] == "A greeting" and events[5]["data"]["source"] == "agent"
+    goal = events[6]["data"]
     assert goal["active"] is True and goal["status"] == "active"
     assert len(goal["ui_summary"]) == 120
+    assert events[8]["data"] == {"text": "thinking", "stream_id": events[0]["stream"]["id"],
+                                 "partial": True}
     end = events[9]["data"]
     assert end["reason"] == "complete" and end["turn_id"] == ack["turn_id"]
     assert isinstance(end["latency_ms"], int) and end["latency_ms"] >= 0

@@ -126,7 +126,7 @@ async def test_subscribe_message_cancel_feed(gateway: Any, user: str, chat_id: s
         assert isinstance(requested, Event) and requested.type == "cancel_requested"
         assert requested.data == {"turn_id": ack.turn_id}
 
-        await publish(gateway, chat_id, {"type": "delta", "data": {"t": "x"}, "durable": False},
+        await publish(gateway, chat_id, {"type": "progress", "data": {"t": "x"}, "durable": False},
                       {"type": "turn_end", "data": {"reason": "cancelled"}})
         delta, end = await take(events, 2)
         assert isinstance(delta, Event) and delta.seq is None and not delta.durable

@@ -268,7 +268,7 @@ async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
                                "client_msg_id": "c1"})
             ack = await sender.expect("ack", seq=1, duplicate=False)
             async with httpx.AsyncClient(base_url=serve.http) as http:
-                for body in ({"type": "delta", "data": {"text": "partial"}, "durable": False},
+                for body in ({"type": "progress", "data": {"text": "partial"}, "durable": False},
                              {"type": "note", "data": {"n": 3}},
                              {"type": "turn_end", "data": {"reason": "complete"}}):
                     resp = await http.post(f"/v1/conversations/{chat_id}/events", json=body,

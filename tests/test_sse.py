@@ -421,8 +421,10 @@ async def test_member_queue_is_bounded_in_bytes() -> None:
 def test_wire_format() -> None:
     assert format_event(b"x", b'{"a":1}', b"e:1") == b'id: e:1\nevent: x\ndata: {"a":1}\n\n'
     assert format_event(b"x", b'{"a":\n1}') == b'event: x\ndata: {"a":\ndata: 1}\n\n'
-    since = parse_last_event_id("a1b2:41")
-    assert (since.epoch, since.seq) == ("a1b2", 41)
+    last = parse_last_event_id("a1b2:41")
+    assert (last.since.epoch, last.since.seq, last.stream) == ("a1b2", 41, None)
+    last = parse_last_event_id("a1b2:41:sab.1:7")
+    assert (last.since.seq, last.stream) == (41, ("sab.1", 7))
 
 
 # --- slow readers -------------------------------------------------------------------------

@@ -223,7 +223,8 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
         async with connect(gateway.url(user)) as late:
             snap = (await late.subscribe(chat_id))["snapshot"]
             assert snap == {"title": "Trip plan", "status": "running", "turn_id": turn_id,
-                            "started_at": turn_start["data"]["started_at"], "goal_state": None}
+                            "started_at": turn_start["data"]["started_at"], "goal_state": None,
+                            "streams": []}
 
         resp = await agent_publish(gateway, chat_id, {"type": "goal_state", "data": GOAL})
         assert resp.status_code == 200, resp.text
@@ -250,7 +251,7 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
         assert item["title"] == "Trip plan" and item["preview"] == "Plan Lisbon"
 
     expected = {"title": "Trip plan", "status": "idle", "turn_id": None, "started_at": None,
-                "goal_state": goal["data"]}
+                "goal_state": goal["data"], "streams": []}
     async with connect(gateway.url(user)) as fresh:
         sub = await fresh.subscribe(chat_id)
         assert sub["seq"] == 5 and sub["snapshot"] == expected

@@ -1,6 +1,6 @@
 -- Delete one conversation: tell its room and its owner's feed, then drop its keys.
 --
--- KEYS[1] meta hash, KEYS[2] event stream
+-- KEYS[1] meta hash, KEYS[2] event stream, KEYS[3..] the text keys of its streams
 -- ARGV[1] room channel, ARGV[2] feed channel prefix, ARGV[3] chat id
 -- Returns the owner, or false when the conversation does not exist.
 
@@ -10,8 +10,8 @@ local now = now_ms()
 local chat = cjson.encode(ARGV[3])
 local epoch = redis.call('HGET', KEYS[1], 'epoch')
 local seq = redis.call('HGET', KEYS[1], 'seq')
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('PUBLISH', ARGV[1], '||{"type":"deleted","chat_id":' .. chat ..
+redis.call('DEL', unpack(KEYS))
+redis.call('PUBLISH', ARGV[1], '|||{"type":"deleted","chat_id":' .. chat ..
   ',"seq":null,"ts":' .. now .. ',"data":{"epoch":' .. cjson.encode(epoch) ..
   ',"last_seq":' .. seq .. '}}')
 redis.call('PUBLISH', ARGV[2] .. owner, '{"type":"conversation","chat_id":' .. chat ..

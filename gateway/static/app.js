@@ -47,7 +47,7 @@ function model(chatId) {
       seqs: new Set(), // durable seqs applied: nothing is shown twice
       items: [], // durable items, ascending seq
       nodes: new Map(), // item key -> element
-      streaming: "", // the reply as it streams (ephemeral deltas)
+      streaming: "", // the reply being written: its stream's whole text so far
       deltas: 0,
       pending: new Map(), // client_msg_id -> {text, state, error}: sent, not yet seen back
       status: "idle",
@@ -112,8 +112,10 @@ function applyEvent(f) {
       m.deltas = 0;
       break;
     case "delta":
-      m.streaming += String(d.text ?? "");
-      m.deltas++;
+      if (!f.stream) { // a plain ephemeral delta (no turn running): shown as it comes
+        m.streaming += String(d.text ?? "");
+        m.deltas++;
+      } // a streamed one: the client's "stream" event gives the whole text
       break;
     case "message":
       insertItem(m, {
@@ -544,7 +546,9 @@ function renderConnection(s) {
     4029: "too many requests", 4001: "invalid token", 4003: "origin not allowed", 4004: "protocol error",
   };
   let label;
-  switch (s.state) {
+  const offline = s.state !== "open" && (s.reason === "offline" || globalThis.navigator?.onLine === false);
+  switch (offline ? "offline" : s.state) {
+    case "offline": label = "Offline: waiting for the network"; box.dataset.state = "offline"; break;
     case "open": label = "Connected"; break;
     case "connecting": label = everConnected ? "Reconnecting…" : "Connecting…"; break;
     case "reconnecting": {
@@ -626,6 +630,20 @@ async function boot() {
     scheduleRender();
   });
   client.on("event", applyEvent);
+  client.on("stream", ({ chatId, stream, ended }) => {
+    // The answer being written, whole: after a reload, a dropped network or on a second
+    // device it is shown at once, then grows word by word, never a word twice.
+    const m = model(chatId);
+    if (stream && stream.type === "delta") {
+      m.streaming = stream.text;
+      m.deltas = stream.pos;
+    } else if (!stream && ended !== "committed") {
+      m.streaming = ""; // discarded (the agent starts over) or gone while we were away
+      m.deltas = 0;
+    }
+    if (chatId === active) scheduleRender();
+  });
+  client.on("offline", () => renderConnection({ state: "reconnecting", reason: "offline" }));
   client.on("recovery", ({ chatId }) => {
     // The gateway could not replay what we missed: start over from the HTTP history.
     const m = model(chatId);

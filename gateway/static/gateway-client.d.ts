@@ -59,12 +59,23 @@ export interface GoalState {
   [extra: string]: unknown;
 }
 
+/** An open stream as `snapshot.streams` lists it: its text so far, the next position. */
+export interface StreamSnapshot {
+  id: string;
+  type: string;
+  turn_id: string;
+  text: string;
+  pos: number;
+}
+
 export interface Snapshot {
   title: string | null;
   status: "idle" | "running";
   turn_id: string | null;
   started_at: number | null;
   goal_state: GoalState | null;
+  /** Every open stream; omitted when the connection already holds them all. */
+  streams?: StreamSnapshot[];
 }
 
 export interface SubscribedFrame {
@@ -131,6 +142,8 @@ export interface EventFrame<T extends string = string, D = Record<string, unknow
   seq: number | null;
   ts: number;
   data: D;
+  /** A streamed delta's place in its stream (an answer being written). */
+  stream?: { id: string; pos: number };
 }
 
 export type UserMessageEvent = EventFrame<"user_message", {
@@ -182,6 +195,37 @@ export interface GatewayClientOptions {
   rateLimitRetry?: number;
   /** Random source in [0, 1), for the jitter (tests). */
   random?: () => number;
+  /** Nothing received for this many ms: send a ping (default 5000). */
+  idlePing?: number;
+  /** No answer to that ping within this many ms: the socket is dead, reconnect (default 5000). */
+  pongTimeout?: number;
+}
+
+/** An answer being written, as the client holds it. */
+export interface StreamState {
+  id: string;
+  /** "delta", "reasoning_delta", ... */
+  type: string;
+  turnId: string | null;
+  /** Everything streamed so far: show it as is. */
+  text: string;
+  /** Position of the next delta. */
+  pos: number;
+}
+
+/**
+ * A stream changed. `stream` holds its whole text (after a delta, or `reset` by a snapshot
+ * after a (re)subscribe), or is null when it `ended`: "committed" (the durable `frame`, a
+ * `message` or `reasoning`, holds the final text), "discarded" (a redelivered turn starts
+ * over) or "gone" (ended while this client was away).
+ */
+export interface StreamEvent {
+  chatId: string;
+  id: string;
+  stream: StreamState | null;
+  reset?: true;
+  ended?: "committed" | "discarded" | "gone";
+  frame?: EventFrame;
 }
 
 export interface StateChange {
@@ -214,7 +258,8 @@ export interface RecoveryEvent {
   frame: SubscribedFrame;
 }
 
-export interface GapEvent { chatId: string; expected: number; got: number }
+/** A durable seq, or a stream's position (`stream` set), skipped ahead: the client resyncs. */
+export interface GapEvent { chatId: string; expected: number; got: number; stream?: string }
 export interface ClosedEvent { code: number; reason: string; terminal: boolean }
 
 export interface GatewayClientEvents {
@@ -225,6 +270,11 @@ export interface GatewayClientEvents {
   event: EventFrame;
   recovery: RecoveryEvent;
   gap: GapEvent;
+  stream: StreamEvent;
+  /** The browser lost the network: the socket is dropped at once and the client reconnects. */
+  offline: Record<string, never>;
+  /** The network is back: the client reconnects (or checks its socket) at once. */
+  online: Record<string, never>;
   conversation: ConversationFrame;
   ack: AckFrame;
   error: ErrorFrame;
@@ -281,6 +331,8 @@ export declare class GatewayClient {
   unsubscribe(chatId: string): Promise<UnsubscribedFrame | null>;
   leave(chatId: string): Promise<LeftFrame | null>;
   position(chatId: string): Since | null;
+  /** The chat's open streams (answers being written) with their text so far. */
+  streams(chatId: string): StreamState[];
 
   /** Rejects with a GatewayError (e.g. code "turn_in_progress", "text_too_long"). */
   sendMessage(chatId: string, text: string, options?: SendMessageOptions): Promise<AckFrame>;

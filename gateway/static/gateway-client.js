@@ -92,6 +92,10 @@ export class GatewayClient {
     this._random = options.random ?? Math.random;
     this._connectTimeout = options.connectTimeout ?? 10000;
     this._rateLimitRetry = options.rateLimitRetry ?? 1000;
+    // A silent dead socket is noticed within idlePing + pongTimeout (about 10 s).
+    this._idlePing = options.idlePing ?? 5000;
+    this._pongTimeout = options.pongTimeout ?? 5000;
+    this._hiddenSince = 0;
 
     this._listeners = new Map();
     this._chats = new Map(); // chat_id -> ChatState (see _chat)
@@ -113,9 +117,33 @@ export class GatewayClient {
     this._lastClose = null;
     this.duplicatesDropped = 0;
 
-    this._onOnline = () => this.reconnectNow();
+    // The browser knows before any timer does: say so at once, and reconnect at once.
+    this._onOnline = () => {
+      this._emit("online", {});
+      if (this._ws && this._hello) this._probe();
+      else this.reconnectNow();
+    };
+    this._onOffline = () => {
+      this._emit("offline", {});
+      if (this._ws) this._drop(this._ws, "offline");
+    };
+    // A page hidden for a while (a phone in a pocket, a laptop asleep): check the socket
+    // as soon as it is seen again.
+    this._onVisibility = () => {
+      const doc = globalThis.document;
+      if (!doc) return;
+      if (doc.visibilityState === "hidden") {
+        this._hiddenSince = Date.now();
+      } else if (this._hiddenSince && Date.now() - this._hiddenSince > this._idlePing) {
+        this._hiddenSince = 0;
+        if (this._ws && this._hello) this._probe();
+        else this.reconnectNow();
+      }
+    };
     if (typeof globalThis.addEventListener === "function") {
       globalThis.addEventListener("online", this._onOnline);
+      globalThis.addEventListener("offline", this._onOffline);
+      globalThis.document?.addEventListener?.("visibilitychange", this._onVisibility);
     }
   }
 
@@ -191,6 +219,8 @@ export class GatewayClient {
     this._setState("closed", { code: 1000, reason: "client closed", terminal: false });
     if (typeof globalThis.removeEventListener === "function") {
       globalThis.removeEventListener("online", this._onOnline);
+      globalThis.removeEventListener("offline", this._onOffline);
+      globalThis.document?.removeEventListener?.("visibilitychange", this._onVisibility);
     }
   }
 
@@ -291,6 +321,7 @@ export class GatewayClient {
       chat.server = "none"; // the gateway's subscription and buffer died with the socket
       chat.subReq = null;
       chat.subMode = null;
+      chat.resyncing = false; // the resubscribe after reconnecting brings a snapshot
     }
     for (const req of this._pending.values()) {
       // Unsubscribe/leave/ping are moot now; subscribes are redone on resume; messages and
@@ -316,20 +347,27 @@ export class GatewayClient {
     }, delay);
   }
 
-  _startHeartbeat(seconds) {
-    const interval = Math.max(1, Number(seconds) || 25) * 1000;
+  _startHeartbeat() {
+    // After idlePing ms with nothing received, a ping; nothing within pongTimeout more: the
+    // socket is dead (browsers do not notice a vanished network for minutes) and replaced.
     clearInterval(this._heartbeat);
     this._heartbeat = setInterval(() => {
       const ws = this._ws;
       if (!ws || !this._hello) return;
       const quiet = Date.now() - this._lastRx;
-      if (quiet > 2 * interval) {
-        this._drop(ws, "heartbeat timeout");
-      } else if (quiet > interval && !this._pingSent) {
-        this._pingSent = Date.now();
-        this._send({ type: "ping", id: this._nextId++ });
+      if (this._pingSent && Date.now() - this._pingSent > this._pongTimeout) {
+        this._drop(ws, "no answer to ping");
+      } else if (quiet > this._idlePing && !this._pingSent) {
+        this._probe();
       }
-    }, interval / 2);
+    }, Math.max(250, Math.min(this._idlePing, this._pongTimeout) / 4));
+  }
+
+  /** Ask the gateway for a sign of life now; the heartbeat drops the socket without one. */
+  _probe() {
+    if (this._pingSent) return;
+    this._pingSent = Date.now();
+    this._send({ type: "ping", id: this._nextId++ });
   }
 
   _send(frame) {
@@ -369,10 +407,18 @@ export class GatewayClient {
         subMode: null, // since | buffer | again | fresh
         waiters: [],
         snapshot: null,
+        streams: new Map(), // stream id -> {id, type, turnId, text, pos}: answers being written
+        resyncing: false, // a stream skipped a position: a fresh snapshot is on its way
       };
       this._chats.set(chatId, chat);
     }
     return chat;
+  }
+
+  /** The chat's open streams (answers being written): [{id, type, turnId, text, pos}]. */
+  streams(chatId) {
+    const chat = this._chats.get(chatId);
+    return chat ? [...chat.streams.values()].map((s) => ({ ...s })) : [];
   }
 
   /** The resume point of a chat: {seq, epoch}, or null when unknown. */
@@ -447,6 +493,21 @@ export class GatewayClient {
       chat.seq = frame.seq;
     }
     // "since", "buffer", "again": the replayed, buffered or live frames move chat.seq on.
+    const listed = frame.snapshot?.streams;
+    if (Array.isArray(listed)) {
+      // The whole truth about open streams: show each text as is; unlisted ones are gone.
+      chat.resyncing = false;
+      const before = chat.streams;
+      chat.streams = new Map(listed.map((s) => [s.id, {
+        id: s.id, type: s.type, turnId: s.turn_id ?? null, text: s.text, pos: s.pos,
+      }]));
+      for (const id of before.keys()) {
+        if (!chat.streams.has(id)) this._emit("stream", { chatId: chat.id, stream: null, id, ended: "gone" });
+      }
+      for (const stream of chat.streams.values()) {
+        this._emit("stream", { chatId: chat.id, stream: { ...stream }, id: stream.id, reset: true });
+      }
+    }
     this._emit("subscribed", { chatId: chat.id, frame, mode });
     if (frame.recovered === false) {
       this._emit("recovery", {
@@ -580,7 +641,7 @@ export class GatewayClient {
     this._hello = frame;
     this._attempt = 0;
     this._lastClose = null;
-    this._startHeartbeat(frame.heartbeat_interval);
+    this._startHeartbeat();
     this._setState("open", { connectionId: frame.connection_id });
     this._emit("hello", frame);
     // Resume: resubscribe every chat the app wants (with `since` where known), then flush
@@ -669,6 +730,16 @@ export class GatewayClient {
       this._emit("event", frame);
       return;
     }
+    if (frame.stream) {
+      this._onStreamed(chat, frame);
+      return;
+    }
+    if (frame.type === "stream_discarded") {
+      const id = frame.data?.stream_id;
+      if (chat.streams.delete(id)) this._emit("stream", { chatId: chat.id, stream: null, id, ended: "discarded" });
+      this._emit("event", frame);
+      return;
+    }
     if (frame.seq == null) {
       this._emit("event", frame); // ephemeral: never replayed, nothing to de-duplicate
       return;
@@ -689,7 +760,39 @@ export class GatewayClient {
       }
     }
     chat.seq = frame.seq;
+    const committed = frame.data?.stream_id;
+    if (typeof committed === "string" && chat.streams.delete(committed)) {
+      this._emit("stream", { chatId: chat.id, stream: null, id: committed, ended: "committed", frame });
+    }
     this._emit("event", frame);
+  }
+
+  /** A streamed delta: continue its stream at exactly its position, or resync. */
+  _onStreamed(chat, frame) {
+    if (chat.resyncing) return; // the snapshot on its way holds it
+    const { id, pos } = frame.stream;
+    let stream = chat.streams.get(id);
+    if (!stream && pos === 0) {
+      stream = { id, type: frame.type, turnId: null, text: "", pos: 0 };
+      chat.streams.set(id, stream);
+    }
+    if (stream && pos < stream.pos) {
+      this.duplicatesDropped++;
+      return;
+    }
+    if (!stream || pos > stream.pos) {
+      // Missed a piece: a fresh snapshot (with since) gives the exact text again.
+      this._emit("gap", { chatId: chat.id, stream: id, expected: stream?.pos ?? 0, got: pos });
+      if (chat.want === "live" && this.connected && chat.epoch != null && chat.seq != null) {
+        chat.resyncing = true;
+        this._sendSubscribe(chat, { seq: chat.seq, epoch: chat.epoch });
+      }
+      return;
+    }
+    stream.text += typeof frame.data?.text === "string" ? frame.data.text : "";
+    stream.pos = pos + 1;
+    this._emit("event", frame);
+    this._emit("stream", { chatId: chat.id, stream: { ...stream }, id, frame });
   }
 }
 
