@@ -995,7 +995,9 @@ class GatewayClient:
         if listed is not None:  # omitted when we hold every open stream already
             chat.resyncing = False
             for stream in chat.streams.reset(listed):
-                self._inbox.put(chat_id, StreamReset(chat_id, stream))
+                # A copy: the chat's own state goes on growing with the deltas behind it.
+                self._inbox.put(chat_id, StreamReset(chat_id, StreamText(
+                    stream.id, stream.type, stream.turn_id, stream.text, stream.pos)))
         waiters, chat.waiters = chat.waiters, []
         for waiter in waiters:
             if not waiter.done():

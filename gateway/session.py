@@ -63,7 +63,7 @@ class State(Enum):
 
 class Subscription:
     __slots__ = ("buffer", "buffer_bytes", "direct", "epoch", "last_seq", "overflowed",
-                 "pending", "state", "unsubscribed_at")
+                 "pending", "state", "stream_floor", "unsubscribed_at")
 
     def __init__(self) -> None:
         self.state = State.SYNCING
@@ -75,6 +75,10 @@ class Subscription:
         self.epoch = ""
         self.last_seq = 0  # last durable seq this connection was sent (stale while direct)
         self.direct = False  # in the room's direct set: the room's position is ours
+        # After a snapshot: stream id -> its position then. A delta below it is in the text
+        # already; it may still come through pub/sub until the first frame published after
+        # the snapshot's read goes by (channel order), which ends the need for this.
+        self.stream_floor: dict[str, int] | None = None
 
 
 class Session:
@@ -169,7 +173,7 @@ class Session:
     def _try_direct(self, chat_id: str, sub: Subscription) -> None:
         write = self.out.write
         if (write is None or sub.direct or sub.state is not State.LIVE or self._closing
-                or self.out.paused):
+                or self.out.paused or sub.stream_floor is not None):
             return
         room = self.hub.room(chat_id)
         if room is not None and room.last_seq == sub.last_seq and room.epoch == sub.epoch:
@@ -362,6 +366,7 @@ class Session:
     def _reset_to_syncing(self, chat_id: str, sub: Subscription) -> None:
         self._leave_direct(chat_id, sub)
         sub.state = State.SYNCING
+        sub.stream_floor = None
         sub.pending = []
         sub.buffer.clear()
         sub.buffer_bytes = 0
@@ -417,6 +422,8 @@ class Session:
         if self.subs.get(chat_id) is not sub:
             return  # deleted or left while we were replaying
         sub.state, sub.epoch, sub.last_seq = State.LIVE, meta.epoch, last
+        # A durable frame newer than the read already went by: so did every delta before it.
+        sub.stream_floor = known if known and last == meta.seq else None
         self._try_direct(chat_id, sub)
 
     async def _drain_buffer(self, req: p.Subscribe, sub: Subscription) -> None:
@@ -474,6 +481,11 @@ class Session:
                 if frame.seq <= sub.last_seq:
                     return  # already sent (a replay overlapped a gap repair)
                 sub.last_seq = frame.seq
+                sub.stream_floor = None  # published after the snapshot's read
+            elif frame.stream is not None and sub.stream_floor is not None:
+                if frame.stream[1] < sub.stream_floor.get(frame.stream[0], 0):
+                    return  # in the snapshot's text already
+                sub.stream_floor = None  # published after the snapshot's read
             self._send_frame(frame)
             self._try_direct(chat_id, sub)
         elif state is State.SYNCING:

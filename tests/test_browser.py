@@ -747,3 +747,201 @@ SCENARIOS = ["resume_dedupes_by_seq", "recovered_false_is_surfaced", "gap_is_rep
 def test_client_sdk(page: Any, demo: GatewayProcess, scenario: str) -> None:
     page.goto(f"{demo.http}/static/app.css")  # any document of the gateway's origin
     assert page.evaluate(CLIENT_SCENARIOS, scenario) == "ok"
+
+
+# --- answers being written: reload, offline, a second tab ------------------------------
+
+SLOW_WORDS = SLOW_REPLY.split()
+
+# Installed before the page's own scripts (and again after each reload): records every text
+# the streaming bubble showed, the connection label's every change, and the browser's
+# online/offline events, each with performance.now() of that document.
+RECORDER = r"""
+(() => {
+  const rec = { streamed: [], labels: [], network: [] };
+  window.__rec = rec;
+  const look = () => {
+    const now = performance.now();
+    const bubble = document.querySelector('[data-testid="streaming-text"]');
+    const text = bubble ? bubble.textContent : "";
+    const last = rec.streamed[rec.streamed.length - 1];
+    if (text && (!last || last[1] !== text)) rec.streamed.push([now, text]);
+    const box = document.querySelector('[data-testid="connection"]');
+    const label = document.querySelector('[data-testid="connection-label"]');
+    if (box && label) {
+      const shown = [box.dataset.state, label.textContent];
+      const prev = rec.labels[rec.labels.length - 1];
+      if (!prev || prev[1] !== shown[0] || prev[2] !== shown[1]) rec.labels.push([now, ...shown]);
+    }
+  };
+  new MutationObserver(look).observe(document, {
+    subtree: true, childList: true, characterData: true, attributes: true,
+    attributeFilter: ["data-state"],
+  });
+  addEventListener("offline", () => rec.network.push([performance.now(), "offline"]));
+  addEventListener("online", () => rec.network.push([performance.now(), "online"]));
+})();
+"""
+
+
+def recorded(page: Any) -> dict[str, list[list[Any]]]:
+    rec: dict[str, list[list[Any]]] = page.evaluate("window.__rec")
+    return rec
+
+
+def shown_words(page: Any) -> list[str]:
+    text: str = page.get_by_test_id("streaming-text").inner_text()
+    return text.split()
+
+
+def assert_streamed_whole(samples: list[list[Any]], at_least: int = 1) -> None:
+    """Each text the streaming bubble showed is the answer's beginning, every word once, and
+    it only grew; the first one already held ``at_least`` words."""
+    assert samples, "the streaming bubble never showed anything"
+    counts = []
+    for _, text in samples:
+        words = text.split()
+        assert len(set(words)) == len(words), f"a word shown twice: {text!r}"
+        assert words == SLOW_WORDS[:len(words)], f"not the answer's beginning: {text!r}"
+        counts.append(len(words))
+    assert counts == sorted(counts), f"the partial answer shrank: {counts}"
+    assert counts[0] >= at_least, (
+        f"the first text shown had {counts[0]} words, not the {at_least} already streamed: "
+        f"{samples[0][1]!r}")
+
+
+def assert_final_reply(page: Any, gw: GatewayProcess, user: str, chat_id: str) -> None:
+    reply = messages(page, "assistant")
+    expect(reply).to_have_count(1, timeout=SLOW_TURN)
+    expect(reply).to_have_text(SLOW_REPLY)
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    assert_transcript(page, gw, user, chat_id)
+
+
+def test_reload_mid_answer_shows_the_partial_answer_at_once(page: Any, demo: GatewayProcess,
+                                                             user: str) -> None:
+    page.add_init_script(RECORDER)
+    open_app(page, demo, user)
+    chat_id = new_chat(page)
+    send(page, "/slow")
+    streaming = page.get_by_test_id("streaming-text")
+    expect(streaming).to_contain_text("word12", timeout=TURN)
+    had = len(shown_words(page))
+    assert 12 <= had < 100
+
+    page.reload()
+    # The whole partial answer at once: the first text the new page shows holds every word
+    # the old one had (not a stream starting over from the next delta).
+    expect(streaming).to_contain_text(SLOW_WORDS[had - 1], timeout=5_000)
+    first = recorded(page)["streamed"][0]
+    assert first[1].split()[:3] == ["word1", "word2", "word3"], first
+    assert len(first[1].split()) >= had, (had, first)
+    synced(page, chat_id)
+    # It keeps growing after the reload.
+    grown = SLOW_WORDS[min(had + 10, 99) - 1]
+    expect(streaming).to_contain_text(grown, timeout=TURN)
+
+    assert_final_reply(page, demo, user, chat_id)
+    samples = recorded(page)["streamed"]
+    assert len(samples) >= 5, f"saw the answer grow only {len(samples)} times"
+    assert_streamed_whole(samples, at_least=had)
+    expect(messages(page, "assistant")).to_have_attribute("data-streamed", "100")
+
+
+def test_offline_mid_answer(page: Any, demo: GatewayProcess, user: str) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.add_init_script(RECORDER)
+    open_app(page, demo, user)
+    chat_id = new_chat(page)
+    send(page, "/slow")
+    streaming = page.get_by_test_id("streaming-text")
+    expect(streaming).to_contain_text("word12", timeout=TURN)
+    connection = page.get_by_test_id("connection")
+    label = page.get_by_test_id("connection-label")
+    expect(label).to_have_text("Connected")
+
+    context = page.context
+    went_offline = page.evaluate("performance.now()")
+    context.set_offline(True)
+    try:
+        # The browser's "offline" event drops the socket at once and the page says so. Where
+        # set_offline does not fire it, the liveness check (a ping after 5 s of silence, the
+        # socket dropped 5 s later) must still notice: allow ~10 s more for that.
+        try:
+            page.wait_for_function("() => window.__rec.network.some(e => e[1] === 'offline')",
+                                   timeout=2_000)
+            event = True
+        except PlaywrightTimeout:
+            event = False
+        if event:
+            expect(connection).to_have_attribute("data-state", "offline", timeout=2_000)
+            expect(label).to_have_text("Offline: waiting for the network")
+        else:
+            expect(connection).not_to_have_attribute("data-state", "open", timeout=12_000)
+            expect(label).not_to_have_text("Connected")
+        page.wait_for_timeout(3_000)  # stay offline for 3 s
+        expect(label).not_to_have_text("Connected")
+    finally:
+        back_online = page.evaluate("performance.now()")
+        context.set_offline(False)
+    # "online" reconnects at once; without the event the backoff (at most 8 s) decides.
+    expect(connection).to_have_attribute("data-state", "open",
+                                         timeout=5_000 if event else RECONNECT)
+    expect(label).to_have_text("Connected")
+    reconnected = page.evaluate("performance.now()")
+
+    rec = recorded(page)
+    seen = (f"network events {rec['network']}; connected again "
+            f"{reconnected - back_online:.0f} ms after going online; labels {rec['labels']}")
+    # It said so within ~2 s of the network going (~12.5 s through the liveness check), and
+    # from then until the network came back it never said "Connected".
+    shown_offline = next(t for t, state, _ in rec["labels"] if t >= went_offline and (
+        state == "offline" if event else state != "open"))
+    assert shown_offline - went_offline <= (2_000 if event else 14_000), seen
+    while_offline = [row for row in rec["labels"] if shown_offline <= row[0] <= back_online]
+    assert not [row for row in while_offline if row[1] == "open" or row[2] == "Connected"], seen
+    if event:
+        assert all(state == "offline" for _, state, _ in while_offline), seen
+
+    assert_final_reply(page, demo, user, chat_id)
+    samples = recorded(page)["streamed"]
+    assert_streamed_whole(samples)
+    if event:
+        # Back online mid-answer: the bubble went on growing from where the gateway was, and
+        # by the commit the page held all 100 pieces.
+        assert [t for t, _ in samples if t > reconnected], f"no growth after reconnecting: {seen}"
+        expect(messages(page, "assistant")).to_have_attribute("data-streamed", "100")
+
+
+def test_second_tab_joins_mid_answer(page: Any, browser: Any, demo: GatewayProcess,
+                                     user: str) -> None:
+    page.add_init_script(RECORDER)
+    open_app(page, demo, user)
+    chat_id = new_chat(page)
+    send(page, "/slow")
+    expect(page.get_by_test_id("streaming-text")).to_contain_text("word12", timeout=TURN)
+    had = len(shown_words(page))
+
+    other = browser.new_page()
+    errors: list[str] = []
+    other.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        other.add_init_script(RECORDER)
+        open_app(other, demo, user, chat=chat_id)
+        synced(other, chat_id)
+        streaming = other.get_by_test_id("streaming-text")
+        expect(streaming).to_contain_text(SLOW_WORDS[had - 1], timeout=5_000)
+        first = recorded(other)["streamed"][0]
+        assert first[1].split()[:2] == ["word1", "word2"], first
+        assert len(first[1].split()) >= had, (had, first)
+
+        assert_final_reply(other, demo, user, chat_id)
+        assert_final_reply(page, demo, user, chat_id)
+        assert (messages(other, "assistant").inner_text().strip()
+                == messages(page, "assistant").inner_text().strip() == SLOW_REPLY)
+        assert_streamed_whole(recorded(other)["streamed"], at_least=had)
+        assert_streamed_whole(recorded(page)["streamed"])
+    finally:
+        other.close()
+    assert not errors, f"uncaught errors in the second page: {errors}"
