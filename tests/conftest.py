@@ -22,9 +22,13 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
+from redis.exceptions import ResponseError
 
 from gateway.auth import issue_token
+from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
+from gateway.store import inbox_key
 
 from .wsclient import Client, connect  # noqa: F401  (re-exported for tests)
 
@@ -141,3 +145,17 @@ def chat_id() -> str:
 @pytest.fixture
 def user() -> str:
     return "u" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def group(redis_url: str) -> Iterator[str]:
+    """An agent-inbox consumer group of this test only; destroyed afterwards."""
+    name = "test-" + uuid.uuid4().hex[:10]
+    yield name
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for n in range(Settings().inbox_partitions):
+            with contextlib.suppress(ResponseError):
+                client.xgroup_destroy(inbox_key(n), name)
+    finally:
+        client.close()

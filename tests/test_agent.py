@@ -14,13 +14,12 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
@@ -61,20 +60,6 @@ async def reply_with_pid(turn: Turn) -> None:
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def group(redis_url: str) -> Iterator[str]:
-    """A consumer group of this test only; destroyed afterwards."""
-    name = "test-" + uuid.uuid4().hex[:10]
-    yield name
-    client = redis.Redis.from_url(redis_url)
-    try:
-        for n in range(PARTITIONS):
-            with contextlib.suppress(ResponseError):
-                client.xgroup_destroy(inbox_key(n), name)
-    finally:
-        client.close()
 
 
 @contextlib.asynccontextmanager

@@ -15,26 +15,24 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
-import redis
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 from websockets.exceptions import ConnectionClosed
 
 from gateway.agent import AgentWorker, Handler, Turn
 from gateway.client import Event, GatewayClient, StreamReset
 from gateway.config import Settings
 from gateway.errors import Rejected
-from gateway.store import inbox_key
 
 from .test_agent import (
     agent_process,
     agent_worker,
+    history,
     of_type,
     pending,
     send_message,
@@ -42,7 +40,7 @@ from .test_agent import (
 )
 from .test_client import FAST, Watch, collect, take
 from .test_sse import Block, open_stream
-from .test_streams import delta, post
+from .test_streams import delta, post, read_until
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio
@@ -64,20 +62,6 @@ async def stream_half_then_die(turn: Turn) -> None:
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def group(redis_url: str) -> Iterator[str]:
-    """A consumer group of this test only (as in test_agent); destroyed afterwards."""
-    name = "test-" + uuid.uuid4().hex[:10]
-    yield name
-    client = redis.Redis.from_url(redis_url)
-    try:
-        for n in range(Settings().inbox_partitions):
-            with contextlib.suppress(ResponseError):
-                client.xgroup_destroy(inbox_key(n), name)
-    finally:
-        client.close()
 
 
 def is_durable(frame: Frame) -> bool:
@@ -137,17 +121,6 @@ class Screen:
         return [e["type"] for e in self.events]
 
 
-async def read_until(ws: Client, screen: Screen, predicate: Callable[[Frame], bool],
-                     timeout: float = 10.0) -> Frame:
-    """Apply every frame to ``screen`` until one satisfies ``predicate``."""
-    async with asyncio.timeout(timeout):
-        while True:
-            frame = await ws.recv(timeout)
-            screen.apply(frame)
-            if predicate(frame):
-                return frame
-
-
 def at_pos(pos: int) -> Callable[[Frame], bool]:
     return lambda f: "stream" in f and f["stream"]["pos"] >= pos
 
@@ -170,15 +143,6 @@ async def commit(gw: Any, chat_id: str) -> None:
     resp = await post(gw, chat_id, {"type": "message", "data": {}},
                       {"type": "turn_end", "data": {}})
     assert resp.status_code == 200, resp.text
-
-
-async def history(gw: Any, user: str, chat_id: str) -> list[Frame]:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.get(f"/v1/conversations/{chat_id}/events", params={"after": 0},
-                              headers=gw.headers(user))
-    assert resp.status_code == 200, resp.text
-    events: list[Frame] = resp.json()["events"]
-    return events
 
 
 class Streamer:

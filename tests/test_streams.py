@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -59,13 +60,15 @@ class Screen:
             self.discarded.append(frame["data"]["stream_id"])
             self.streams.pop(frame["data"]["stream_id"], None)
         elif kind in ("message", "reasoning") and "stream_id" in frame.get("data", {}):
-            state = self.streams.pop(frame["data"]["stream_id"], None)
-            if state is not None:
+            state = self.streams.pop(frame["data"]["stream_id"], {})
+            if state:
                 self.rebuilt[frame["data"]["stream_id"]] = state["text"]
             self.committed.append(frame)
 
 
-async def read_until(ws: Client, screen: Screen, predicate: Any, timeout: float = 5) -> Frame:
+async def read_until(ws: Client, screen: Any, predicate: Callable[[Frame], bool],
+                     timeout: float = 10.0) -> Frame:
+    """Apply every frame to ``screen`` until one satisfies ``predicate``."""
     async with asyncio.timeout(timeout):
         while True:
             frame = await ws.recv(timeout)
