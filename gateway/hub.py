@@ -103,6 +103,11 @@ class Member(Protocol):
     def demote(self, chat_id: str) -> None:
         """Taken out of the room's direct set (its position is the room's, right now)."""
 
+    def resync(self, chat_id: str) -> None:
+        """The conversation's history was lost or forked (Redis restarted empty, FLUSHALL,
+        a failover to a replica that lagged, a gap already trimmed): positions held so far
+        mean nothing; resync from the store and tell the client (``recovered: false``)."""
+
 
 class Room:
     """The local members of one conversation and the position this process has reached."""
@@ -140,6 +145,13 @@ class Room:
     def leave_direct(self, member: Member, write: Write, binary: bool) -> None:
         if (self.binary_writers if binary else self.text_writers).pop(write, None) is not None:
             self.slow[member] = None
+
+    def history_lost(self) -> None:
+        """Every member resyncs; the room's position is unknown until one has read."""
+        self.demote_all()
+        self.epoch, self.last_seq, self.unread_max = None, None, 0
+        for member in list(self.members):
+            member.resync(self.chat_id)
 
     def demote_all(self) -> None:
         """Every direct member back to ``deliver``, before the room's position jumps."""
@@ -295,8 +307,8 @@ class Hub:
         """
         if room.last_seq is None:
             room.epoch, room.last_seq = epoch, max(seq, room.unread_max)
-        elif room.epoch != epoch:
-            room.demote_all()
+        elif room.epoch != epoch:  # the others hold positions of another history
+            room.history_lost()
             room.epoch, room.last_seq = epoch, seq
 
     # --- feeds ------------------------------------------------------------------------
@@ -456,9 +468,11 @@ class Hub:
             room.unread_max = max(room.unread_max, seq)
             room.fan_out(frame)
             return
-        if epoch != room.epoch:  # the conversation was recreated
-            room.demote_all()
-            room.epoch, room.last_seq = epoch, 0
+        if epoch != room.epoch:  # recreated, or its history was lost: members resync first
+            room.history_lost()
+            room.unread_max = seq
+            room.fan_out(frame)
+            return
         if seq <= room.last_seq:
             return
         if seq > room.last_seq + 1:
@@ -475,17 +489,24 @@ class Hub:
             start = room.last_seq or 0
             end = room.backlog[0][1] if room.backlog else None
             history = await self._store.read(room.chat_id, start, limit=100_000)
+            meta = history.meta
+            if meta is None or meta.epoch != room.epoch:
+                log.warning("room %s: its history is gone or was replaced; members resync",
+                            room.chat_id)
+                room.history_lost()
+                return
+            # Up to the first frame held back, or else up to the conversation's last seq.
+            target = end - 1 if end is not None else meta.seq
             for seq, json in history.frames:
-                if end is not None and seq >= end:
+                if seq > target:
                     break
                 if room.last_seq is not None and seq == room.last_seq + 1:
                     room.last_seq = seq
                     room.fan_out(Frame(json, seq))
-            if room.last_seq is not None and end is not None and room.last_seq < end - 1:
-                log.error("room %s: seqs %d..%d are gone from the stream", room.chat_id,
-                          room.last_seq + 1, end - 1)
-                room.demote_all()
-                room.last_seq = end - 1
+            if room.last_seq is not None and room.last_seq < target:
+                log.warning("room %s: seqs %d..%d are gone from the stream; members resync",
+                            room.chat_id, room.last_seq + 1, target)
+                room.history_lost()
         except (RedisError, ConnectionError, OSError):
             log.exception("room %s: gap repair failed", room.chat_id)
         finally:
@@ -498,9 +519,21 @@ class Hub:
                     self._advance(room, epoch, frame)
 
     async def _resync(self, room: Room) -> None:
+        """After a reconnect: catch up, or notice that the history went backwards."""
         meta = await self._store.meta(room.chat_id)
-        if meta is None or room.last_seq is None or room.repairing:
+        if room.last_seq is None or room.repairing or self._rooms.get(room.chat_id) is not room:
             return
-        if meta.epoch == room.epoch and meta.seq > room.last_seq:
+        if meta is None or meta.epoch != room.epoch:
+            log.warning("room %s: its history is gone or was replaced; members resync",
+                        room.chat_id)
+            room.history_lost()
+        elif meta.seq < room.last_seq:
+            # The same epoch, yet behind what was delivered (a failover to a replica that
+            # lagged): one seq would name two events. A new epoch tells every client.
+            log.warning("room %s: history went back from %d to %d; new epoch", room.chat_id,
+                        room.last_seq, meta.seq)
+            await self._store.rotate_epoch(room.chat_id, meta.epoch)
+            room.history_lost()
+        elif meta.seq > room.last_seq:
             room.repairing = True
             self._spawn(self._repair(room))

@@ -63,7 +63,7 @@ class State(Enum):
 
 class Subscription:
     __slots__ = ("buffer", "buffer_bytes", "direct", "epoch", "last_seq", "overflowed",
-                 "pending", "state", "stream_floor", "unsubscribed_at")
+                 "pending", "resync", "state", "stream_floor", "unsubscribed_at")
 
     def __init__(self) -> None:
         self.state = State.SYNCING
@@ -79,14 +79,15 @@ class Subscription:
         # already; it may still come through pub/sub until the first frame published after
         # the snapshot's read goes by (channel order), which ends the need for this.
         self.stream_floor: dict[str, int] | None = None
+        self.resync = False  # the history changed under a read in flight: read again
 
 
 class Session:
     """Drives one accepted WebSocket until it closes."""
 
     __slots__ = ("_bad_frames", "_closer", "_closing", "_feed_ready", "_limited", "_refilled",
-                 "_tokens", "binary", "codec", "gateway", "hub", "id", "out", "principal",
-                 "receive", "settings", "subs")
+                 "_resyncs", "_tokens", "binary", "codec", "gateway", "hub", "id", "out",
+                 "principal", "receive", "settings", "subs")
 
     def __init__(self, gateway: Gateway, principal: Principal, codec: p.Codec,
                  scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -104,6 +105,7 @@ class Session:
         self._closer: asyncio.Task[None] | None = None
         self._closing = False
         self._feed_ready: asyncio.Future[None] | None = None
+        self._resyncs: set[asyncio.Task[None]] = set()
         self._tokens = float(self.settings.rate_burst)
         self._refilled = time.monotonic()
         self._limited = 0
@@ -136,6 +138,8 @@ class Session:
         finally:
             if expiry is not None:
                 expiry.cancel()
+            for task in self._resyncs:
+                task.cancel()
             for chat_id in list(self.subs):
                 self._drop(chat_id)
             self.hub.leave_feed(self.principal.user_id, self)
@@ -200,6 +204,33 @@ class Session:
             sub.direct = False
             if room is not None:
                 self._take_position(sub, room.epoch, room.last_seq)
+
+    def resync(self, chat_id: str) -> None:
+        """The chat's history was lost or forked: the client gets an unasked ``subscribed``
+        with ``recovered: false`` and the new epoch, then live frames (protocol.md)."""
+        sub = self.subs.get(chat_id)
+        if sub is None or self._closing:
+            return
+        if sub.state is State.SYNCING:
+            sub.resync = True  # its read may predate the change: _sync reads again
+        elif sub.state is State.BUFFERING:
+            sub.overflowed = True  # the buffer is of the old history: resume from the store
+            sub.buffer.clear()
+            sub.buffer_bytes = 0
+        else:
+            since = p.Since(sub.last_seq, sub.epoch)
+            self._reset_to_syncing(chat_id, sub)
+            task = asyncio.get_running_loop().create_task(
+                self._resync_live(p.Subscribe(chat_id, since), sub))
+            self._resyncs.add(task)
+            task.add_done_callback(self._resyncs.discard)
+
+    async def _resync_live(self, req: p.Subscribe, sub: Subscription) -> None:
+        try:
+            await self._sync(req, sub, req.since, overflowed=None)
+        except (RedisError, ConnectionError, OSError, TimeoutError):
+            log.exception("session %s: resync of %s failed", self.id, req.chat_id)
+            self.close(BACKEND_UNAVAILABLE, "backend unavailable")
 
     @staticmethod
     def _take_position(sub: Subscription, epoch: str | None, seq: int | None) -> None:
@@ -421,6 +452,11 @@ class Session:
             await self._send_paced(fresh)
         if self.subs.get(chat_id) is not sub:
             return  # deleted or left while we were replaying
+        if sub.resync:  # the history changed while we read it: read it again
+            sub.resync = False
+            since = p.Since(last, meta.epoch)  # unasked: no request id on the second reply
+            await self._sync(p.Subscribe(chat_id, since), sub, since, overflowed=None)
+            return
         sub.state, sub.epoch, sub.last_seq = State.LIVE, meta.epoch, last
         # A durable frame newer than the read already went by: so did every delta before it.
         sub.stream_floor = known if known and last == meta.seq else None

@@ -106,6 +106,12 @@ class StreamMember:
     def demote(self, chat_id: str) -> None:
         """Never in a direct set: every frame reaches it through ``deliver``."""
 
+    def resync(self, chat_id: str) -> None:
+        """History lost: end the response; the reconnect gets ``event: reset``."""
+        if not self.overflowed:
+            self.overflowed = True
+            self._queue.put_nowait(None)
+
     async def next_batch(self, within: float) -> list[Entry | None] | None:
         """Everything queued, waiting up to ``within`` seconds for the first; None if none."""
         try:

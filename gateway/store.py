@@ -193,6 +193,9 @@ class Store:
         self._publish = redis.register_script(_script("publish.lua"))
         self._read = redis.register_script(_script("read.lua"))
         self._delete = redis.register_script(_script("delete.lua"))
+        self._rotate = redis.register_script(
+            "if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then "
+            "redis.call('HSET', KEYS[1], 'epoch', ARGV[2]) end")
         self._stream_types = ",".join(settings.stream_types)
 
     def _keys(self, chat_id: str) -> list[str]:
@@ -257,6 +260,11 @@ class Store:
         streams = [OpenStream.parse(*open_streams[i:i + 3])
                    for i in range(0, len(open_streams), 3)]
         return History(meta, frames, streams)
+
+    async def rotate_epoch(self, chat_id: str, epoch: str) -> None:
+        """Give the conversation a new epoch if it still has ``epoch``: its history went
+        backwards, so old positions must stop meaning anything."""
+        await self.pipeline.evalsha(self._rotate, [meta_key(chat_id)], [epoch, self._new_epoch()])
 
     async def meta(self, chat_id: str) -> Meta | None:
         raw: dict[bytes, bytes] = await self.pipeline.execute("HGETALL", meta_key(chat_id))

@@ -1,0 +1,147 @@
+"""Redis losing data never forks history silently: subscribers are told (`recovered: false`).
+
+Each test runs its own Redis-compatible server (no persistence) and gateway, so it can
+restart or flush it under live subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from gateway.client import GatewayClient, Recovery
+from gateway.embedded import EmbeddedRedis
+
+from .publishing import publish
+from .test_client import FAST, collect
+from .wsclient import Client, Frame, connect
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def private(start_gateway: Any, tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, Any]]:
+    """A server of this test only, and a gateway on it (the demo agent off)."""
+    server = EmbeddedRedis(tmp_path / "redis", persistent=False)
+    gw = start_gateway(redis_url=server.start(), demo_agent=0)
+    try:
+        yield server, gw
+    finally:
+        gw.stop(signal.SIGKILL)
+        server.stop()
+
+
+async def events_of(ws: Client, chat_id: str, count: int) -> list[Frame]:
+    return [f for f in await ws.events(chat_id, count)]
+
+
+async def unasked_subscribed(ws: Client, chat_id: str, timeout: float = 15) -> Frame:
+    """The `subscribed` the gateway sends by itself when the history changed under us."""
+    frame = await ws.wait_for(lambda f: f.get("type") == "subscribed", timeout=timeout)
+    assert frame["chat_id"] == chat_id and "id" not in frame, frame
+    return frame
+
+
+async def test_redis_restarted_empty_under_a_live_subscriber(
+        private: tuple[EmbeddedRedis, Any], user: str, chat_id: str) -> None:
+    server, gw = private
+    async with connect(gw.url(user)) as ws:
+        first = await ws.subscribe(chat_id)
+        await publish(gw, chat_id, *({"type": "note", "data": {"i": i}} for i in range(3)))
+        assert [f["seq"] for f in await events_of(ws, chat_id, 3)] == [1, 2, 3]
+
+        server.stop()
+        server.start()  # the same socket, no data: every conversation is gone
+
+        # Told at once, not left believing it is at seq 3 of a history that is gone.
+        told = await unasked_subscribed(ws, chat_id)
+        assert told["recovered"] is False and told["epoch"] != first["epoch"]
+        assert told["seq"] == 0 and told["replayed"] == 0
+        # The new history's events arrive (seq 1, 2 again, under the new epoch).
+        await publish(gw, chat_id, {"type": "note", "data": {"i": "a"}},
+                      {"type": "note", "data": {"i": "b"}})
+        again = await events_of(ws, chat_id, 2)
+        assert [(f["seq"], f["data"]["i"]) for f in again] == [(1, "a"), (2, "b")]
+
+    # A client coming back with its old position is told too.
+    async with connect(gw.url(user)) as late:
+        resumed = await late.subscribe(chat_id, since={"seq": 3, "epoch": first["epoch"]})
+        assert resumed["recovered"] is False and resumed["replayed"] == 0
+        assert resumed["epoch"] == told["epoch"] and resumed["seq"] == 2
+
+
+async def test_flushall_then_a_new_message_resyncs_live_subscribers(
+        private: tuple[EmbeddedRedis, Any], user: str, chat_id: str) -> None:
+    server, gw = private
+    async with connect(gw.url(user)) as ws, connect(gw.url(user)) as sender:
+        first = await ws.subscribe(chat_id)
+        await publish(gw, chat_id, {"type": "note", "data": {}}, {"type": "note", "data": {}})
+        assert [f["seq"] for f in await events_of(ws, chat_id, 2)] == [1, 2]
+
+        client = redis.Redis.from_url(server.url)
+        try:
+            client.flushall()  # the pub/sub connection survives: only the data is gone
+        finally:
+            client.close()
+        # The next message recreates the conversation under a new epoch: seq 1 again.
+        await sender.send({"type": "message", "chat_id": chat_id, "text": "hello again",
+                           "client_msg_id": "after-flush"})
+        told = await unasked_subscribed(ws, chat_id)
+        assert told["recovered"] is False and told["epoch"] != first["epoch"]
+        await publish(gw, chat_id, {"type": "note", "data": {"after": True}})
+        later = await ws.wait_for(lambda f: f.get("type") == "note", timeout=10)
+        assert later["seq"] == told["seq"] + 1 and later["data"] == {"after": True}
+
+
+async def test_the_python_sdk_surfaces_lost_history_as_recovery(
+        private: tuple[EmbeddedRedis, Any], user: str, chat_id: str) -> None:
+    server, gw = private
+    async with GatewayClient(gw.ws, token_factory=lambda: gw.token(user), **FAST) as client:
+        sub = await client.subscribe(chat_id)
+        watch, task = collect(client.events(chat_id))
+        await publish(gw, chat_id, {"type": "note", "data": {}})
+        await watch.until(lambda items: len(items) == 1)
+        server.stop()
+        server.start()
+        await watch.until(lambda items: any(isinstance(i, Recovery) for i in items), 20)
+        recovery = next(i for i in watch.items if isinstance(i, Recovery))
+        assert recovery.previous_epoch == sub.epoch and recovery.epoch != sub.epoch
+        await publish(gw, chat_id, {"type": "note", "data": {"n": 1}})
+        await watch.until(lambda items: getattr(items[-1], "seq", None) == 1)
+        assert client.position(chat_id) == (1, recovery.epoch)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_gap_already_trimmed_from_the_stream_resyncs_with_recovered_false(
+        start_gateway: Any, tmp_path: Path, user: str, chat_id: str) -> None:
+    """Pub/sub lost a stretch of events, and the stream no longer holds it either."""
+    server = EmbeddedRedis(tmp_path / "redis", persistent=False)
+    gw = start_gateway(redis_url=server.start(), demo_agent=0, history_maxlen=10)
+    client = redis.Redis.from_url(server.url)
+    try:
+        async with connect(gw.url(user)) as ws:
+            first = await ws.subscribe(chat_id)
+            await publish(gw, chat_id, {"type": "note", "data": {}})
+            assert [f["seq"] for f in await events_of(ws, chat_id, 1)] == [1]
+            # The gateway's pub/sub connection drops; while it is away, far more events than
+            # the stream keeps (trimming is approximate: Redis trims whole nodes of ~100).
+            assert client.client_kill_filter(_type="pubsub") >= 1
+            await publish(gw, chat_id, *({"type": "note", "data": {"i": i}} for i in range(400)))
+            told = await unasked_subscribed(ws, chat_id)
+            assert told["recovered"] is False and told["replayed"] == 0
+            assert told["epoch"] == first["epoch"] and told["seq"] == 401
+            # Never a silent partial repair: no event of the lost stretch reached it.
+            await publish(gw, chat_id, {"type": "note", "data": {"last": True}})
+            after = await ws.wait_for(lambda f: f.get("type") == "note", timeout=10)
+            assert after["seq"] == 402 and after["data"] == {"last": True}
+    finally:
+        client.close()
+        gw.stop(signal.SIGKILL)
+        server.stop()
