@@ -297,11 +297,15 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
+    """Ready when Redis answers and live frames arrive (the pub/sub connection is up)."""
+    gateway = _gateway(request)
     try:
-        await _gateway(request).redis.ping()
+        await gateway.redis.ping()
     except (RedisError, ConnectionError, OSError) as exc:
         return error_response(503, "backend_unavailable", f"redis: {exc}")
-    return JSONResponse({"status": "ready"})
+    if not gateway.hub.connected:
+        return error_response(503, "backend_unavailable", "redis pub/sub: reconnecting")
+    return JSONResponse({"status": "ready", "redis": "ok", "pubsub": "ok"})
 
 
 # --- errors ---------------------------------------------------------------------------

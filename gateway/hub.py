@@ -214,6 +214,8 @@ class Hub:
         self._subscribing: dict[bytes, None] = {}
         self._unsubscribing: dict[bytes, None] = {}
         self._flush_scheduled = False
+        # False while the pub/sub connection is down: live frames are not arriving (readyz).
+        self.connected = False
         self._pubsub_order = asyncio.Lock()
         self._reads_started = 0
         # In-flight history reads: (chat, after, limit) -> (the read's number, its task).
@@ -230,6 +232,7 @@ class Hub:
         self._pubsub.connection.register_connect_callback(self._on_connect)
         self._task = asyncio.create_task(self._run(), name="hub-reader")
         await self._confirmed(self._control)
+        self.connected = True
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -407,6 +410,7 @@ class Hub:
             try:
                 if self._pubsub.connection is None or not self._pubsub.connection.is_connected:
                     await self._pubsub.connect()  # its callback resubscribes every channel
+                self.connected = True
                 while True:
                     message = await self._pubsub.parse_response(block=True)
                     if message is None:
@@ -422,6 +426,7 @@ class Hub:
             except asyncio.CancelledError:
                 raise
             except (RedisError, ConnectionError, OSError) as exc:
+                self.connected = False
                 log.warning("pub/sub connection lost (%s); reconnecting", exc)
                 with contextlib.suppress(Exception):
                     await self._pubsub.connection.disconnect()  # type: ignore[union-attr,attr-defined]

@@ -12,11 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from gateway.client import GatewayClient, Recovery
+from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
+from gateway.store import OutEvent, Store
 
 from .publishing import publish
 from .test_client import FAST, collect
@@ -144,4 +148,53 @@ async def test_a_gap_already_trimmed_from_the_stream_resyncs_with_recovered_fals
     finally:
         client.close()
         gw.stop(signal.SIGKILL)
+        server.stop()
+
+
+async def test_readyz_fails_while_the_pubsub_connection_is_down(
+        private: tuple[EmbeddedRedis, Any]) -> None:
+    """Redis answers, yet live frames are not arriving: not ready."""
+    server, gw = private
+    client = redis.Redis.from_url(server.url)
+    seen: set[int] = set()
+    try:
+        async with httpx.AsyncClient(base_url=gw.http) as http, asyncio.timeout(10):
+            while 503 not in seen:  # kill it again and again: it is down most of the time
+                client.client_kill_filter(_type="pubsub")
+                for _ in range(5):
+                    resp = await http.get("/readyz")
+                    seen.add(resp.status_code)
+                    if resp.status_code == 503:
+                        assert resp.json()["error"]["message"] == "redis pub/sub: reconnecting"
+                        break
+            # Back once it reconnects (each probe is a real request: no idle wait needed).
+            while (await http.get("/readyz")).status_code != 200:
+                pass
+    finally:
+        client.close()
+
+
+async def test_an_acknowledged_event_survives_a_sigkill_of_the_embedded_server(
+        tmp_path: Path) -> None:
+    """The embedded default keeps an append-only file: what was acknowledged is in it
+    (`appendfsync always` also covers a crash of the machine, which a test here cannot)."""
+    server = EmbeddedRedis(tmp_path / "redis")  # persistent, as `gateway serve` runs it
+    server.start()
+    try:
+        client = aioredis.from_url(server.url)
+        store = Store(client, Settings())
+        for i in range(200):
+            await store.publish("durable", [OutEvent("note", b'{"i":%d}' % i)],
+                                create_owner="alice")
+        await client.aclose()
+        assert server.process is not None
+        server.process.kill()  # no chance to flush anything
+        server.process.wait()
+        server.start()
+        client = aioredis.from_url(server.url)
+        history = await Store(client, Settings()).read("durable", 0, 1000)
+        await client.aclose()
+        assert history.meta is not None and history.meta.seq == 200
+        assert [seq for seq, _ in history.frames] == list(range(1, 201))
+    finally:
         server.stop()
