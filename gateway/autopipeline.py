@@ -1,11 +1,14 @@
 """Redis commands issued in the same loop turn go to the server as one pipeline.
 
-redis-py sends every command on its own: a pool checkout, a socket write and a read each.
-Under load (a reconnect storm, thousands of publishes a second) that per-command cost is
-the gateway's. Here commands queue until the loop turn ends and then leave together, in
-the order they were issued, on one connection. Each caller still gets its own reply or its
-own error: the pipeline is not a transaction, and one command's failure leaves the others
-as they were. Alone, a command costs what it did before.
+redis-py sends every command on its own: a pool checkout, a socket write and a read each,
+and it packs each argument in Python. Under load (a reconnect storm, thousands of
+publishes a second) that per-command cost is the gateway's. Here commands queue until the
+loop turn ends and then leave together, in the order they were issued, packed by hiredis
+in one write on one pooled connection; the replies are read back in order. Each caller
+still gets its own reply or its own error: the pipeline is not a transaction, and one
+command's failure leaves the others as they were. Alone, a command costs less than before.
+
+Replies are raw (RESP as hiredis parses it): callers convert what they need.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
@@ -31,7 +35,7 @@ class AutoPipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def execute(self, *args: Any) -> Any:
-        """One command, with redis-py's reply parsing (``HGETALL`` gives a dict...)."""
+        """One command; its raw reply (``HGETALL`` gives a flat list)."""
         return await self._enqueue(args, None)
 
     async def evalsha(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
@@ -59,13 +63,7 @@ class AutoPipeline:
 
     async def _send(self, batch: list[Queued]) -> None:
         try:
-            if len(batch) == 1:
-                replies: list[Any] = [await self._one(batch[0][0])]
-            else:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for args, _, _ in batch:
-                        pipe.execute_command(*args)
-                    replies = await pipe.execute(raise_on_error=False)
+            replies = await self._round_trip([args for args, _, _ in batch])
         except Exception as exc:  # the round trip itself failed: every caller hears it
             for _, _, future in batch:
                 if not future.done():
@@ -82,17 +80,32 @@ class AutoPipeline:
             else:
                 future.set_result(reply)
 
+    async def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Write every command at once, read every reply: an error reply is that command's."""
+        pool = self._redis.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command(
+                b"".join([hiredis.pack_command(args) for args in commands]))
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await connection.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            # Replies may be half read: the connection is of no use to anyone now.
+            await connection.disconnect()
+            raise
+        finally:
+            await pool.release(connection)
+
     async def _reload_and_run(self, script: AsyncScript, args: tuple[Any, ...]) -> Any:
         """The server lost its script cache (a restart, SCRIPT FLUSH): load, run again.
         A failure here is this caller's alone: the others' writes stand."""
         try:
             await script.registered_client.script_load(script.script)
-            return await self._one(args)
+            return (await self._round_trip([args]))[0]
         except Exception as exc:
-            return exc
-
-    async def _one(self, args: tuple[Any, ...]) -> Any:
-        try:
-            return await self._redis.execute_command(*args)
-        except ResponseError as exc:  # a reply for this caller, not a failed round trip
             return exc

@@ -174,6 +174,13 @@ class Epochs:
         return f"{self._prefix}{next(self._count):x}"
 
 
+def _as_dict(reply: Any) -> dict[bytes, bytes]:
+    """A hash as a raw reply gives it: a flat list (RESP2) or a map (RESP3)."""
+    if isinstance(reply, dict):
+        return reply
+    return dict(zip(reply[::2], reply[1::2], strict=True))
+
+
 def _script(name: str) -> str:
     """A script's source with ``lua/lib.lua`` (the shared functions) in front of it."""
     lua = resources.files("gateway").joinpath("lua")
@@ -253,7 +260,7 @@ class Store:
             self._read, self._keys(chat_id),
             ["" if after is None else after, limit, create_owner, self._new_epoch(),
              chat_id, FEED_PREFIX, self._stream_types])
-        meta = Meta.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
+        meta = Meta.from_hash(_as_dict(flat))
         if created and meta is not None:
             await self.pipeline.execute("ZADD", index_key(meta.owner), meta.created_at, chat_id)
         frames = [(int(entry_id.split(b"-")[0]), fields[1]) for entry_id, fields in entries]
@@ -267,8 +274,7 @@ class Store:
         await self.pipeline.evalsha(self._rotate, [meta_key(chat_id)], [epoch, self._new_epoch()])
 
     async def meta(self, chat_id: str) -> Meta | None:
-        raw: dict[bytes, bytes] = await self.pipeline.execute("HGETALL", meta_key(chat_id))
-        return Meta.from_hash(raw)
+        return Meta.from_hash(_as_dict(await self.pipeline.execute("HGETALL", meta_key(chat_id))))
 
     async def delete(self, chat_id: str) -> str | None:
         """Delete a conversation; returns its former owner, or None if it did not exist."""
