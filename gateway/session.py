@@ -275,7 +275,7 @@ class Session:
                 i += 1
             if self._over_bound(size):
                 return
-            self.out.send_frames(chunk)  # type: ignore[arg-type]
+            self.out.send_frames(chunk)
 
     # --- inbound ----------------------------------------------------------------------
 

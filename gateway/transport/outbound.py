@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from .frames import binary_frame, text_frame
@@ -55,7 +55,7 @@ class Outbound(Protocol):
 
     def send_frame(self, frame: WireFrame) -> None: ...
 
-    def send_frames(self, frames: list[WireFrame]) -> None: ...
+    def send_frames(self, frames: Sequence[WireFrame]) -> None: ...
 
     async def wait_writable(self) -> None: ...
 
@@ -103,7 +103,7 @@ class DirectOutbound:
     def send_frame(self, frame: WireFrame) -> None:
         self._protocol.transport.write(frame.wire_binary if self.binary else frame.wire_text)
 
-    def send_frames(self, frames: list[WireFrame]) -> None:
+    def send_frames(self, frames: Sequence[WireFrame]) -> None:
         if self.binary:
             self._protocol.transport.write(b"".join([f.wire_binary for f in frames]))
         else:
@@ -154,7 +154,7 @@ class AsgiOutbound:
     def send_frame(self, frame: WireFrame) -> None:
         self._put(frame.msgpack if self.binary else frame.text)
 
-    def send_frames(self, frames: list[WireFrame]) -> None:
+    def send_frames(self, frames: Sequence[WireFrame]) -> None:
         for frame in frames:
             self.send_frame(frame)
 
