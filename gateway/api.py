@@ -7,16 +7,15 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
 from redis.exceptions import RedisError
-from starlette.datastructures import Headers, QueryParams
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from . import protocol as p
 from . import sse
-from .auth import AuthError, Principal, bearer
+from .auth import Principal
 from .conversations import PublishBatch, PublishEvent
 from .errors import Rejected
 from .store import Meta
@@ -81,9 +80,6 @@ class PublishBody(msgspec.Struct, frozen=True):
         return PublishBatch([one], self.idempotency_key)
 
 
-_publish_body = msgspec.json.Decoder(PublishBody).decode
-
-
 class HistoryQuery(msgspec.Struct, frozen=True):
     after: Annotated[int, msgspec.Meta(ge=0)] = 0
     limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
@@ -95,11 +91,7 @@ def _gateway(request: Request) -> Gateway:
 
 
 def _principal(request: Request) -> Principal:
-    token = bearer(request.headers.get("authorization"), request.query_params.get("token"))
-    try:
-        return _gateway(request).tokens.verify(token)
-    except AuthError as exc:
-        raise Rejected("unauthorized", str(exc)) from None
+    return _gateway(request).authenticate(request)
 
 
 def _chat_id(request: Request) -> str:
@@ -174,7 +166,9 @@ class PublishEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            status, body = 200, await self._publish(scope, receive)
+            status, body = 200, await self._publish(Request(scope, receive))
+        except ClientDisconnect:
+            return  # nobody left to answer
         except Rejected as exc:
             status, body = exc.http_status, _error_body(exc.code, exc.message)
         except (RedisError, ConnectionError) as exc:
@@ -184,41 +178,14 @@ class PublishEndpoint:
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _publish(self, scope: Scope, receive: Receive) -> bytes:
-        headers = Headers(scope=scope)
-        query = scope.get("query_string", b"")
-        token = bearer(headers.get("authorization"),
-                       QueryParams(query).get("token") if b"token=" in query else None)
-        try:
-            who = self.gateway.tokens.verify(token)
-        except AuthError as exc:
-            raise Rejected("unauthorized", str(exc)) from None
+    async def _publish(self, request: Request) -> bytes:
+        who = self.gateway.authenticate(request)
         if not who.is_service:
             raise Rejected("forbidden", "publishing needs a service token")
-        chat_id = scope["path"][len(CONVERSATIONS):-len(EVENTS)]
+        chat_id = request.scope["path"][len(CONVERSATIONS):-len(EVENTS)]
         if not p.CHAT_ID_RE.match(chat_id):
             raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
-        chunks: list[bytes] = []
-        size, more = 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise Rejected("invalid_request", "the client went away")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        try:
-            batch = _publish_body(chunks[0] if len(chunks) == 1 else b"".join(chunks)).batch()
-        except msgspec.ValidationError as exc:
-            raise Rejected("unprocessable", str(exc)) from None
-        except msgspec.DecodeError as exc:
-            raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
+        batch = (await _body(request, PublishBody)).batch()
         result = await self.gateway.conversations.publish(
             who, chat_id, list(batch.events), batch.idempotency_key
         )

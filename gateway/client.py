@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -552,8 +553,7 @@ class GatewayClient:
         chat = self._chats.get(chat_id)
         if chat is None:
             return []
-        return [StreamText(s.id, s.type, s.turn_id, s.text, s.pos)
-                for s in chat.streams.by_id.values()]
+        return [dataclasses.replace(s) for s in chat.streams.by_id.values()]
 
     def position(self, chat_id: str) -> tuple[int | None, str | None]:
         """The ``(seq, epoch)`` the client would resume ``chat_id`` from."""
@@ -996,8 +996,7 @@ class GatewayClient:
             chat.resyncing = False
             for stream in chat.streams.reset(listed):
                 # A copy: the chat's own state goes on growing with the deltas behind it.
-                self._inbox.put(chat_id, StreamReset(chat_id, StreamText(
-                    stream.id, stream.type, stream.turn_id, stream.text, stream.pos)))
+                self._inbox.put(chat_id, StreamReset(chat_id, dataclasses.replace(stream)))
         waiters, chat.waiters = chat.waiters, []
         for waiter in waiters:
             if not waiter.done():

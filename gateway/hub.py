@@ -146,8 +146,9 @@ class Room:
         if (self.binary_writers if binary else self.text_writers).pop(write, None) is not None:
             self.slow[member] = None
 
-    def history_lost(self) -> None:
+    def history_lost(self, why: str) -> None:
         """Every member resyncs; the room's position is unknown until one has read."""
+        log.warning("room %s: %s; members resync", self.chat_id, why)
         self.demote_all()
         self.epoch, self.last_seq, self.unread_max = None, None, 0
         for member in list(self.members):
@@ -311,7 +312,7 @@ class Hub:
         if room.last_seq is None:
             room.epoch, room.last_seq = epoch, max(seq, room.unread_max)
         elif room.epoch != epoch:  # the others hold positions of another history
-            room.history_lost()
+            room.history_lost("a read found another epoch")
             room.epoch, room.last_seq = epoch, seq
 
     # --- feeds ------------------------------------------------------------------------
@@ -469,13 +470,11 @@ class Hub:
             if frame.is_deleted:
                 room.epoch, room.last_seq = None, 0
             return
+        if room.last_seq is not None and epoch != room.epoch:
+            # Recreated, or its history was lost: members resync before this frame.
+            room.history_lost("a frame of another epoch arrived")
         if room.last_seq is None:  # no member has read yet: they merge by seq themselves
             room.unread_max = max(room.unread_max, seq)
-            room.fan_out(frame)
-            return
-        if epoch != room.epoch:  # recreated, or its history was lost: members resync first
-            room.history_lost()
-            room.unread_max = seq
             room.fan_out(frame)
             return
         if seq <= room.last_seq:
@@ -496,9 +495,7 @@ class Hub:
             history = await self._store.read(room.chat_id, start, limit=100_000)
             meta = history.meta
             if meta is None or meta.epoch != room.epoch:
-                log.warning("room %s: its history is gone or was replaced; members resync",
-                            room.chat_id)
-                room.history_lost()
+                room.history_lost("its history is gone or was replaced")
                 return
             # Up to the first frame held back, or else up to the conversation's last seq.
             target = end - 1 if end is not None else meta.seq
@@ -509,9 +506,7 @@ class Hub:
                     room.last_seq = seq
                     room.fan_out(Frame(json, seq))
             if room.last_seq is not None and room.last_seq < target:
-                log.warning("room %s: seqs %d..%d are gone from the stream; members resync",
-                            room.chat_id, room.last_seq + 1, target)
-                room.history_lost()
+                room.history_lost(f"seqs {room.last_seq + 1}..{target} are gone from the stream")
         except (RedisError, ConnectionError, OSError):
             log.exception("room %s: gap repair failed", room.chat_id)
         finally:
@@ -529,16 +524,13 @@ class Hub:
         if room.last_seq is None or room.repairing or self._rooms.get(room.chat_id) is not room:
             return
         if meta is None or meta.epoch != room.epoch:
-            log.warning("room %s: its history is gone or was replaced; members resync",
-                        room.chat_id)
-            room.history_lost()
+            room.history_lost("its history is gone or was replaced")
         elif meta.seq < room.last_seq:
             # The same epoch, yet behind what was delivered (a failover to a replica that
             # lagged): one seq would name two events. A new epoch tells every client.
-            log.warning("room %s: history went back from %d to %d; new epoch", room.chat_id,
-                        room.last_seq, meta.seq)
             await self._store.rotate_epoch(room.chat_id, meta.epoch)
-            room.history_lost()
+            room.history_lost(f"history went back from {room.last_seq} to {meta.seq}; "
+                              "new epoch")
         elif meta.seq > room.last_seq:
             room.repairing = True
             self._spawn(self._repair(room))

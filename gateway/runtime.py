@@ -14,12 +14,14 @@ import logging
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from starlette.requests import HTTPConnection
 
 from .agent import AgentWorker
-from .auth import TokenCache
+from .auth import AuthError, Principal, TokenCache, bearer
 from .closecodes import SERVER_RESTART
 from .config import ConfigError, Settings
 from .conversations import Conversations
+from .errors import Rejected
 from .hub import Hub
 from .store import Store
 
@@ -89,6 +91,14 @@ class Gateway:
             await asyncio.sleep(0.05)
         await self.hub.stop()
         await self.redis.aclose()
+
+    def authenticate(self, request: HTTPConnection) -> Principal:
+        """Who an HTTP request comes from: its bearer token (header, else ``?token=``)."""
+        token = bearer(request.headers.get("authorization"), request.query_params.get("token"))
+        try:
+            return self.tokens.verify(token)
+        except AuthError as exc:
+            raise Rejected("unauthorized", str(exc)) from None
 
     def origin_allowed(self, origin: str | None) -> bool:
         allowed = self.settings.allowed_origins

@@ -199,11 +199,8 @@ class Session:
 
     def demote(self, chat_id: str) -> None:
         sub = self.subs.get(chat_id)
-        room = self.hub.room(chat_id)
-        if sub is not None and sub.direct:
-            sub.direct = False
-            if room is not None:
-                self._take_position(sub, room.epoch, room.last_seq)
+        if sub is not None:
+            self._leave_direct(chat_id, sub)  # the hub has emptied its direct sets already
 
     def resync(self, chat_id: str) -> None:
         """The chat's history was lost or forked: the client gets an unasked ``subscribed``

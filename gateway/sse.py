@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import protocol as p
-from .auth import AuthError, Principal, bearer
+from .auth import Principal
 from .errors import Rejected
 from .hub import Frame, Hub
 from .recovery import plan_replay
@@ -204,18 +204,10 @@ def _deleted_epoch(frame: Frame) -> str | None:
 # --- the endpoint ---------------------------------------------------------------------
 
 
-def _principal(request: Request, gateway: Gateway) -> Principal:
-    token = bearer(request.headers.get("authorization"), request.query_params.get("token"))
-    try:
-        return gateway.tokens.verify(token)
-    except AuthError as exc:
-        raise Rejected("unauthorized", str(exc)) from None
-
-
 async def stream(request: Request) -> Response:
     """``GET /v1/conversations/{chat_id}/stream``: every check answers before the stream."""
     gateway: Gateway = request.app.state.gateway
-    who = _principal(request, gateway)
+    who = gateway.authenticate(request)
     chat_id: str = request.path_params["chat_id"]
     if not p.CHAT_ID_RE.match(chat_id):
         raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")

@@ -23,10 +23,15 @@ local function new_meta(owner, epoch, now)
           updated_at = tostring(now)}
 end
 
-local function save_meta(key, m)
+-- The meta table as HSET arguments (and as HGETALL returns it).
+local function flatten(m)
   local flat = {}
   for k, v in pairs(m) do flat[#flat + 1] = k; flat[#flat + 1] = v end
-  redis.call('HSET', key, unpack(flat))
+  return flat
+end
+
+local function save_meta(key, m)
+  redis.call('HSET', key, unpack(flatten(m)))
 end
 
 -- Tell the owner's devices (their conversation feed) about the conversation's state.

@@ -12,12 +12,6 @@
 -- Returns {meta (flat, empty when it does not exist), entries (XRANGE), created (0/1),
 -- streams (flat: type, "<id> <turn id> <pos> <attempt>", text, ...)}.
 
-local function flatten(m)
-  local flat = {}
-  for k, v in pairs(m) do flat[#flat + 1] = k; flat[#flat + 1] = v end
-  return flat
-end
-
 local m = load_meta(KEYS[1])
 if not m then
   if ARGV[3] == '' then return {{}, {}, 0, {}} end
