@@ -149,9 +149,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
+    import dataclasses
     import logging
 
-    from . import protocol as p
     from .client import GatewayClient, GatewayError, StreamReset
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
@@ -179,12 +179,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
             async for item in client.events(args.chat):
                 # Events as received; a broken resume (a Recovery item) as the subscribed
                 # frame that said recovered: false; an open stream's text after a resume as
-                # {"type": "stream", ...}.
+                # {"type": "stream", "chat_id", "stream": {id, type, turn_id, text, pos}}.
                 if isinstance(item, StreamReset):
-                    emit({"type": "stream", "chat_id": item.chat_id, **msgspec.structs.asdict(
-                        p.StreamSnapshot(item.stream.id, item.stream.type,
-                                         item.stream.turn_id or "", item.stream.text,
-                                         item.stream.pos))})
+                    emit({"type": "stream", "chat_id": item.chat_id,
+                          "stream": dataclasses.asdict(item.stream)})
                 else:
                     emit(item.frame)
 

@@ -30,6 +30,7 @@ from gateway.client import (
 )
 
 from .publishing import publish
+from .wsclient import connect
 
 pytestmark = pytest.mark.anyio
 
@@ -419,3 +420,35 @@ async def test_tail_prints_frames_as_json_lines(gateway: Any, user: str, chat_id
             if proc.returncode is None:
                 proc.terminate()
             await proc.wait()
+
+
+async def test_tail_joining_mid_answer_prints_the_stream_so_far(
+        gateway: Any, user: str, chat_id: str, tmp_path: Any) -> None:
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        await ws.send({"type": "message", "chat_id": chat_id, "text": "hi",
+                       "client_msg_id": "tail-mid-answer"})
+        start = await ws.wait_for(lambda f: f.get("type") == "turn_start")
+        await publish(gateway, chat_id,
+                      {"type": "delta", "data": {"text": "Half "}, "durable": False},
+                      {"type": "delta", "data": {"text": "way"}, "durable": False})
+        await ws.wait_for(lambda f: f.get("stream", {}).get("pos") == 1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env.update(GATEWAY_SECRET=gateway.secret, GATEWAY_DATA_DIR=str(tmp_path))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "tail", chat_id, "--url",
+        f"ws://127.0.0.1:{gateway.port}", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        lines = [msgspec.json.decode(await asyncio.wait_for(proc.stdout.readline(), 20))
+                 for _ in range(2)]
+        assert lines[0]["type"] == "subscribed"
+        stream = lines[1]
+        assert stream["type"] == "stream" and stream["chat_id"] == chat_id
+        assert stream["stream"]["type"] == "delta" and stream["stream"]["pos"] == 2
+        assert stream["stream"]["text"] == "Half way"
+        assert stream["stream"]["turn_id"] == start["data"]["turn_id"]
+    finally:
+        proc.terminate()
+        await proc.wait()
