@@ -64,11 +64,12 @@ async def reply_with_pid(turn: Turn) -> None:
 
 @contextlib.asynccontextmanager
 async def agent_worker(redis_url: str, handler: Handler, group: str,
+                       settings: Settings | None = None,
                        **options: Any) -> AsyncIterator[AgentWorker]:
     """An AgentWorker in this process, on its own client, for new entries only."""
     client = aioredis.from_url(redis_url)
-    worker = AgentWorker(client, Settings(redis_url=redis_url), handler, group=group,
-                         start_id="$", **options)
+    worker = AgentWorker(client, settings or Settings(redis_url=redis_url), handler,
+                         group=group, start_id="$", **options)
     await worker.start()
     try:
         yield worker

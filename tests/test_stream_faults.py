@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -24,7 +24,7 @@ import pytest
 import redis.asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
-from gateway.agent import AgentWorker, Handler, Turn
+from gateway.agent import Turn
 from gateway.client import Event, GatewayClient, StreamReset
 from gateway.config import Settings
 from gateway.errors import Rejected
@@ -224,20 +224,6 @@ class Streamer:
         self._stop = True
         self._go.set()
         return await self.finish()
-
-
-@contextlib.asynccontextmanager
-async def worker_with(settings: Settings, handler: Handler, group: str,
-                      **options: Any) -> AsyncIterator[AgentWorker]:
-    """An AgentWorker in this process with the given settings, for new entries only."""
-    client = aioredis.from_url(settings.redis_url)
-    worker = AgentWorker(client, settings, handler, group=group, start_id="$", **options)
-    await worker.start()
-    try:
-        yield worker
-    finally:
-        await worker.stop(grace=5)
-        await client.aclose()
 
 
 # --- 1. a gateway killed mid-answer ------------------------------------------------------------
@@ -707,7 +693,7 @@ async def test_a_worker_delta_past_the_stream_limit_is_refused_and_the_rest_stay
     async with asyncio.timeout(60):
         for handler, chat, options in ((coalesced, chat_id, {}),
                                        (immediate, chat_id + "-w0", {"delta_window_ms": 0})):
-            async with worker_with(settings, handler, group, **options), \
+            async with agent_worker(settings.redis_url, handler, group, settings, **options), \
                     connect(gw.url(user)) as ws:
                 screen = Screen()
                 screen.apply(await ws.subscribe(chat))
