@@ -94,7 +94,9 @@ class Gateway:
 
     def authenticate(self, request: HTTPConnection) -> Principal:
         """Who an HTTP request comes from: its bearer token (header, else ``?token=``)."""
-        token = bearer(request.headers.get("authorization"), request.query_params.get("token"))
+        query_token = (request.query_params.get("token")
+                       if b"token=" in request.scope.get("query_string", b"") else None)
+        token = bearer(request.headers.get("authorization"), query_token)
         try:
             return self.tokens.verify(token)
         except AuthError as exc:
