@@ -40,6 +40,7 @@ from fanout import cpu_seconds, free_port, percentile, start_gateway
 
 from gateway.agent import Turn
 from gateway.auth import issue_token
+from gateway.backend import Backend
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
 from gateway.store import OutEvent, Store
@@ -178,7 +179,7 @@ async def resume_size(store: Store, port: int, secret: str, deltas: int) -> tupl
 async def run(args: argparse.Namespace, redis_url: str, port: int, secret: str,
               gateway_pid: int) -> None:
     client = aioredis.from_url(redis_url)
-    store = Store(client, Settings())
+    store = Store(Backend.of(client, Settings()), Settings())
     try:
         print(f"delta cost: {args.answers} answers x 2 subscribers, {args.seconds:g} s per rate")
         print(f"  {'mode':<10} {'deltas/s':>9} {'cpu us/delta':>13} {'p50 ms':>8} {'p99 ms':>8}"

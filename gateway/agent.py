@@ -1,7 +1,7 @@
 """Agent workers: read the agent inbox, run a handler per turn, publish its events.
 
 Every accepted ``message`` appends an entry to the inbox stream of its chat's partition
-(``inbox:{n}``, see :mod:`gateway.store`); a ``cancel`` appends a ``kind=cancel`` entry to
+(``inbox:{<tag>}``, see :mod:`gateway.inbox`); a ``cancel`` appends a ``kind=cancel`` entry to
 the same stream. An :class:`AgentWorker` reads every partition through a consumer group, so
 any number of workers (in any number of processes) share the work, and runs the user's
 handler for each ``message``::
@@ -24,7 +24,12 @@ taken from it. A redelivered turn runs the handler again, but every durable even
 :class:`Turn` publishes carries an idempotency key derived from the turn (its id, the event
 type and how many events of that type the turn published before), so the conversation gets
 each durable event once. A turn that already ended (its ``turn_end`` went out before the
-crash, or the gateway timed it out) is not handled again.
+crash, or the gateway timed it out) is not handled again. A worker that restarts under its
+old ``consumer`` name runs the entries it still owns at once, without waiting for
+``claim_idle`` (see :func:`stable_consumer`).
+
+On a Redis Cluster every partition is in a slot of its own, so the worker reads each
+partition with its own blocking call; on a single server one call reads them all.
 
 Cancellation is cooperative: ``turn.cancelled`` becomes true and ``turn.cancel_event`` is
 set; the handler should stop and return (the worker then ends the turn with
@@ -42,6 +47,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import multiprocessing
 import os
 import secrets
 import signal
@@ -51,12 +57,15 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
+from .backend import Backend, Client
 from .config import Settings
 from .conversations import PublishEvent, to_out_event
 from .errors import Rejected
-from .store import Meta, Published, Store, inbox_key
+from .inbox import Inbox
+from .store import Meta, Published, Store
 
 log = logging.getLogger("gateway.agent")
 
@@ -264,7 +273,7 @@ class Turn:
             return None
         self.ended = True
         with contextlib.suppress(RedisError, OSError):
-            await self.store.untrack_turn(self.chat_id, self.turn_id)
+            await Inbox(self.store).untrack_turn(self.chat_id, self.turn_id)
         return result
 
 
@@ -294,7 +303,7 @@ class AgentWorker:
       ``GATEWAY_DELTA_WINDOW_MS``, 25); 0 sends each piece at once.
     """
 
-    def __init__(self, redis: aioredis.Redis, settings: Settings, handler: Handler, *,
+    def __init__(self, redis: Client, settings: Settings, handler: Handler, *,
                  group: str = "agents", consumer: str | None = None, concurrency: int = 16,
                  claim_idle: float = 30.0, start_id: str = "0", block: float = 2.0,
                  accept: Callable[[str], bool] | None = None,
@@ -305,7 +314,7 @@ class AgentWorker:
             raise ValueError("claim_idle must be positive")
         self.redis = redis
         self.settings = settings
-        self.store = Store(redis, settings)
+        self.store = Store(Backend.of(redis, settings), settings)
         self.handler = handler
         self.group = group
         self.consumer = consumer or (
@@ -315,15 +324,20 @@ class AgentWorker:
         self.start_id = start_id
         # A blocking read must return before the client's socket timeout (redis-py >= 6
         # defaults to 5 s) or it fails as a timeout.
-        socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+        socket_timeout = redis.get_connection_kwargs().get("socket_timeout")
         if socket_timeout:
             block = min(block, socket_timeout / 2)
         self._block_ms = max(10, int(block * 1000))
         self.accept = accept
         self.delta_window_ms = (settings.delta_window_ms if delta_window_ms is None
                                 else delta_window_ms)
-        self.keys = [inbox_key(n) for n in range(settings.inbox_partitions)]
-        self.stats = {"handled": 0, "failed": 0, "skipped": 0, "reclaimed": 0, "cancels": 0}
+        self.keys = Inbox(self.store).keys()
+        # Keys one call may name together: all of them on one server; on a cluster, where
+        # each partition has a slot of its own, one each.
+        self._cluster = isinstance(redis, RedisCluster)
+        self._key_groups = self._grouped(self.keys)
+        self.stats = {"handled": 0, "failed": 0, "skipped": 0, "reclaimed": 0, "cancels": 0,
+                      "resumed": 0}
         self._slots = asyncio.Semaphore(concurrency)
         self._inflight: dict[tuple[str, str], _Entry] = {}  # read, not yet acked
         self._freed = asyncio.Event()
@@ -346,11 +360,14 @@ class AgentWorker:
         self._started = True
         await self._create_groups()
         tails = await self._stream_tails()  # before any turn runs, so no cancel is missed
-        self._loops = [
-            asyncio.create_task(self._read_loop(), name=f"agent-read-{self.consumer}"),
-            asyncio.create_task(self._watch_cancels(tails), name=f"agent-cancels-{self.consumer}"),
-            asyncio.create_task(self._maintain(), name=f"agent-claim-{self.consumer}"),
-        ]
+        await self._resume_own()
+        self._loops = [asyncio.create_task(self._maintain(), name=f"agent-claim-{self.consumer}")]
+        for n, keys in enumerate(self._key_groups):
+            self._loops += [
+                asyncio.create_task(self._read_loop(keys), name=f"agent-read-{self.consumer}-{n}"),
+                asyncio.create_task(self._watch_cancels({key: tails[key] for key in keys}),
+                                    name=f"agent-cancels-{self.consumer}-{n}"),
+            ]
         for task in self._loops:
             task.add_done_callback(self._loop_done)
         log.info("agent worker %s reading %d inbox partitions (group %s)",
@@ -395,18 +412,35 @@ class AgentWorker:
                       exc_info=self.error)
             self.request_stop()
 
+    def _grouped(self, keys: list[str]) -> list[list[str]]:
+        """``keys`` in groups one call may name together (one group, or one per key)."""
+        if not keys:
+            return []
+        return [[key] for key in keys] if self._cluster else [keys]
+
+    async def _pipelined(self, keys: list[str], add: Callable[[Any, str], object], *,
+                         raise_on_error: bool = True) -> list[Any]:
+        """``add(pipe, key)`` for every key, one pipeline per key group; the replies in
+        ``keys``' order."""
+        replies: list[Any] = []
+        for group in self._grouped(keys):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key in group:
+                    add(pipe, key)
+                replies += await pipe.execute(raise_on_error=raise_on_error)
+        return replies
+
     async def _forget_consumer(self) -> None:
         """Remove this consumer from the group unless it still owns pending entries."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in self.keys:
-                pipe.xpending_range(key, self.group, min="-", max="+", count=1,
-                                    consumername=self.consumer)
-            pending = await pipe.execute(raise_on_error=False)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key, rows in zip(self.keys, pending, strict=True):
-                if isinstance(rows, list) and not rows:
-                    pipe.xgroup_delconsumer(key, self.group, self.consumer)
-            await pipe.execute(raise_on_error=False)
+        pending = await self._pipelined(
+            self.keys, lambda pipe, key: pipe.xpending_range(
+                key, self.group, min="-", max="+", count=1, consumername=self.consumer),
+            raise_on_error=False)
+        done = [key for key, rows in zip(self.keys, pending, strict=True)
+                if isinstance(rows, list) and not rows]
+        await self._pipelined(
+            done, lambda pipe, key: pipe.xgroup_delconsumer(key, self.group, self.consumer),
+            raise_on_error=False)
 
     async def _create_groups(self) -> None:
         for key in self.keys:
@@ -417,10 +451,7 @@ class AgentWorker:
                     raise
 
     async def _stream_tails(self) -> dict[str, str]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in self.keys:
-                pipe.xrevrange(key, count=1)
-            last = await pipe.execute()
+        last = await self._pipelined(self.keys, lambda pipe, key: pipe.xrevrange(key, count=1))
         return {key: _text(rows[0][0]) if rows else "0-0"
                 for key, rows in zip(self.keys, last, strict=True)}
 
@@ -431,8 +462,33 @@ class AgentWorker:
             self._freed.clear()
             await self._freed.wait()
 
-    async def _read_loop(self) -> None:
-        streams: dict[Any, Any] = {key: ">" for key in self.keys}
+    async def _resume_own(self) -> None:
+        """Run the entries this consumer was given and never acknowledged, as redelivered:
+        a worker restarted under its old name resumes its turns at once instead of waiting
+        for a takeover after ``claim_idle``. Usually one empty read per key group."""
+        for keys in self._key_groups:
+            after: dict[Any, Any] = dict.fromkeys(keys, "0")
+            while after:
+                try:
+                    reply = await self.redis.xreadgroup(self.group, self.consumer, after,
+                                                        count=self.concurrency)
+                except (RedisError, OSError) as exc:
+                    log.warning("reading our pending entries: %s; left to a takeover", exc)
+                    return
+                got = dict(_stream_replies(reply))
+                for key in list(after):
+                    entries = got.get(key) or []
+                    for entry_id, raw in entries:
+                        self.stats["resumed"] += 1
+                        log.info("resuming inbox entry %s of %s", _text(entry_id), key)
+                        await self._dispatch(_Entry(key, _text(entry_id), _fields(raw), True))
+                    if len(entries) < self.concurrency:
+                        del after[key]  # that was the last page
+                    else:
+                        after[key] = _text(entries[-1][0])
+
+    async def _read_loop(self, keys: list[str]) -> None:
+        streams: dict[Any, Any] = {key: ">" for key in keys}
         backoff = 0.1
         while not self._closing:
             await self._wait_capacity()
@@ -532,13 +588,8 @@ class AgentWorker:
         by_stream: dict[str, list[str]] = {}
         for stream, entry_id in list(self._inflight):
             by_stream.setdefault(stream, []).append(entry_id)
-        if not by_stream:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for stream, ids in by_stream.items():
-                pipe.xclaim(stream, self.group, self.consumer, 0, ids,  # type: ignore[arg-type]
-                            justid=True)
-            await pipe.execute()
+        await self._pipelined(list(by_stream), lambda pipe, stream: pipe.xclaim(
+            stream, self.group, self.consumer, 0, by_stream[stream], justid=True))
 
     async def _reclaim(self, cursors: dict[str, str]) -> None:
         idle_ms = int(self.claim_idle * 1000)
@@ -647,6 +698,16 @@ def _cancel_requested(frames: list[tuple[int, bytes]], turn_id: str) -> bool:
 
 
 # --- running one ---------------------------------------------------------------------------
+
+
+def stable_consumer(port: int) -> str:
+    """A consumer name that a gateway process gets again when it restarts: the host, the
+    gateway's port and, under ``--workers N``, the worker's number (uvicorn names them
+    ``SpawnProcess-<n>``), so live processes never share one. Restarted, the worker finds
+    the entries it still owned and resumes them at once."""
+    process = multiprocessing.current_process().name
+    worker = "" if process == "MainProcess" else "-" + process.rpartition("-")[2]
+    return f"{socket.gethostname()}-gateway-{port}{worker}"
 
 
 def load_handler(spec: str) -> Handler:

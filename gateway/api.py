@@ -271,15 +271,16 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """Ready when Redis answers and live frames arrive (the pub/sub connection is up)."""
+    """Ready when every Redis node answers (and, on a cluster, the cluster is ok) and live
+    frames arrive (every pub/sub connection is up). The body names each dependency."""
     gateway = _gateway(request)
-    try:
-        await gateway.redis.ping()
-    except (RedisError, ConnectionError, OSError) as exc:
-        return error_response(503, "backend_unavailable", f"redis: {exc}")
-    if not gateway.hub.connected:
-        return error_response(503, "backend_unavailable", "redis pub/sub: reconnecting")
-    return JSONResponse({"status": "ready", "redis": "ok", "pubsub": "ok"})
+    report = await gateway.backend.health()
+    report["pubsub"] = "ok" if gateway.hub.connected else "reconnecting"
+    failing = {name: state for name, state in report.items() if state != "ok"}
+    if failing:
+        detail = "; ".join(f"{name}: {state}" for name, state in failing.items())
+        return error_response(503, "backend_unavailable", detail)
+    return JSONResponse({"status": "ready", "dependencies": report})
 
 
 # --- errors ---------------------------------------------------------------------------

@@ -1,12 +1,21 @@
-"""Redis commands issued in the same loop turn go to the server as one pipeline.
+"""Redis commands issued in the same loop turn go to each node as one pipeline.
 
 redis-py sends every command on its own: a pool checkout, a socket write and a read each,
 and it packs each argument in Python. Under load (a reconnect storm, thousands of
 publishes a second) that per-command cost is the gateway's. Here commands queue until the
-loop turn ends and then leave together, in the order they were issued, packed by hiredis
-in one write on one pooled connection; the replies are read back in order. Each caller
-still gets its own reply or its own error: the pipeline is not a transaction, and one
-command's failure leaves the others as they were. Alone, a command costs less than before.
+loop turn ends and then leave together, in the order they were issued, one write per node
+(the owner of each command's first key), packed by hiredis on one pooled connection; the
+replies are read back in order. Each caller still gets its own reply or its own error: the
+pipeline is not a transaction, and one command's failure leaves the others as they were.
+
+On a cluster, a command sent to a node that no longer owns its slot is refused unapplied
+(``MOVED``, ``ASK``, ``TRYAGAIN``), so it is safe to send again: the slot map is updated and
+the command goes out with the next batch. A connection that fails mid-batch is different:
+its commands may or may not have been applied, so their callers get the error (a publish
+with an idempotency key is safe to retry).
+
+Durable writes can wait for replicas (``GATEWAY_WAIT_REPLICAS``): a batch that holds one
+ends with a single ``WAIT`` on the same connection, which covers every write before it.
 
 Replies are raw (RESP as hiredis parses it): callers convert what they need.
 """
@@ -14,20 +23,57 @@ Replies are raw (RESP as hiredis parses it): callers convert what they need.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 import hiredis
-import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 
-Queued = tuple[tuple[Any, ...], AsyncScript | None, asyncio.Future[Any]]
+from .backend import Backend, Node
+from .errors import Rejected
+
+MAX_REDIRECTS = 5  # per command: a slot that keeps moving is a cluster in trouble
+
+
+class Script:
+    """A Lua script known by its SHA1; loaded on the node that first lacks it."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+class _Call:
+    __slots__ = ("args", "durable", "future", "redirects", "script")
+
+    def __init__(self, args: tuple[Any, ...], script: Script | None, durable: bool,
+                 future: asyncio.Future[Any]) -> None:
+        self.args = args
+        self.script = script
+        self.durable = durable
+        self.future = future
+        self.redirects = 0
+
+    @property
+    def key(self) -> Any:
+        """The key that routes the call: a script's first key, else the first argument."""
+        return self.args[3] if self.script is not None else self.args[1]
 
 
 class AutoPipeline:
-    def __init__(self, redis: aioredis.Redis) -> None:
-        self._redis = redis
-        self._queued: list[Queued] = []
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._wait = (backend.settings.wait_replicas, backend.settings.wait_timeout_ms)
+        self._queued: list[_Call] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         # Python 3.11's get_running_loop() makes a getpid() system call every time, on the
@@ -35,77 +81,143 @@ class AutoPipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def execute(self, *args: Any) -> Any:
-        """One command; its raw reply (``HGETALL`` gives a flat list)."""
-        return await self._enqueue(args, None)
+        """One command, routed by its first argument's key; its raw reply."""
+        return await self._enqueue(_Call(args, None, False, self._future()))
 
-    async def evalsha(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
-        """A registered script; loaded again if the server lost its script cache."""
-        return await self._enqueue(("EVALSHA", script.sha, len(keys), *keys, *args), script)
+    async def evalsha(self, script: Script, keys: list[Any], args: list[Any], *,
+                      durable: bool = False) -> Any:
+        """A script (its keys must share a slot); ``durable``: a write that the caller
+        acknowledges, so it waits for ``GATEWAY_WAIT_REPLICAS`` replicas first."""
+        call = _Call(("EVALSHA", script.sha, len(keys), *keys, *args), script, durable,
+                     self._future())
+        return await self._enqueue(call)
 
-    def _enqueue(self, args: tuple[Any, ...], script: AsyncScript | None
-                 ) -> asyncio.Future[Any]:
-        if not self._scheduled:
+    def _future(self) -> asyncio.Future[Any]:
+        if self._loop is None:
             self._loop = asyncio.get_running_loop()
+        return self._loop.create_future()
+
+    def _enqueue(self, call: _Call) -> asyncio.Future[Any]:
+        if not self._scheduled:
             self._scheduled = True
+            assert self._loop is not None
             self._loop.call_soon(self._flush)
-        assert self._loop is not None
-        future: asyncio.Future[Any] = self._loop.create_future()
-        self._queued.append((args, script, future))
-        return future
+        self._queued.append(call)
+        return call.future
 
     def _flush(self) -> None:
         self._scheduled = False
         batch, self._queued = self._queued, []
+        backend = self._backend
+        by_node: dict[Node, list[_Call]] = {}
+        for call in batch:
+            try:
+                node = backend.node(call.key)
+            except Exception as exc:  # no node serves the slot (the cluster is down)
+                _settle(call, exc)
+                continue
+            by_node.setdefault(node, []).append(call)
         assert self._loop is not None
-        task = self._loop.create_task(self._send(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        for node, calls in by_node.items():
+            task = self._loop.create_task(self._send(node, calls))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, batch: list[Queued]) -> None:
+    async def _send(self, node: Node, calls: list[_Call]) -> None:
+        commands = [call.args for call in calls]
+        durable = self._wait[0] > 0 and any(call.durable for call in calls)
+        if durable:
+            commands.append(("WAIT", *self._wait))
         try:
-            replies = await self._round_trip([args for args, _, _ in batch])
+            replies = await _round_trip(node, commands)
         except Exception as exc:  # the round trip itself failed: every caller hears it
-            for _, _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+            for call in calls:
+                _settle(call, exc)
+            if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
+                await self._backend.refresh()  # the node may have failed over
             return
-        for i, (args, script, _) in enumerate(batch):
-            if isinstance(replies[i], NoScriptError) and script is not None:
-                replies[i] = await self._reload_and_run(script, args)
-        for (_, _, future), reply in zip(batch, replies, strict=True):
-            if future.done():
-                continue  # the caller went away; the command stands
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
-                future.set_result(reply)
+        if durable:
+            acked = replies.pop()
+            if isinstance(acked, int) and acked < self._wait[0]:
+                error = _not_replicated(acked, self._wait)
+                replies = [error if call.durable and not isinstance(reply, Exception)
+                           else reply for call, reply in zip(calls, replies, strict=True)]
+        for call, reply in zip(calls, replies, strict=True):
+            if isinstance(reply, NoScriptError):  # a restart, SCRIPT FLUSH, a new primary
+                reply = await self._alone(node, call)
+            if isinstance(reply, (AskError, TryAgainError, ClusterDownError)) \
+                    and call.redirects < MAX_REDIRECTS:
+                call.redirects += 1
+                await self._redirect(call, reply)
+                continue
+            _settle(call, reply)
 
-    async def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Write every command at once, read every reply: an error reply is that command's."""
-        pool = self._redis.connection_pool
-        connection = await pool.get_connection()
+    async def _alone(self, node: Node, call: _Call, before: tuple[Any, ...] = ()) -> Any:
+        """Run one call on its own (after ``before``, e.g. ``ASKING``), with the source of
+        its script, which the node may not have; a durable one waits for its replicas."""
+        args = call.args
+        if call.script is not None:
+            args = ("EVAL", call.script.source, *args[2:])
+        commands = [before, args] if before else [args]
+        if call.durable and self._wait[0] > 0:
+            commands.append(("WAIT", *self._wait))
         try:
-            await connection.send_packed_command(
-                b"".join([hiredis.pack_command(args) for args in commands]))
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(await connection.read_response())
-                except ResponseError as exc:
-                    replies.append(exc)
-            return replies
-        except BaseException:
-            # Replies may be half read: the connection is of no use to anyone now.
-            await connection.disconnect()
-            raise
-        finally:
-            await pool.release(connection)
-
-    async def _reload_and_run(self, script: AsyncScript, args: tuple[Any, ...]) -> Any:
-        """The server lost its script cache (a restart, SCRIPT FLUSH): load, run again.
-        A failure here is this caller's alone: the others' writes stand."""
-        try:
-            await script.registered_client.script_load(script.script)
-            return (await self._round_trip([args]))[0]
+            replies = await _round_trip(node, commands)
         except Exception as exc:
             return exc
+        reply = replies[1 if before else 0]
+        acked = replies[-1]
+        if len(commands) > (2 if before else 1) and isinstance(acked, int) \
+                and acked < self._wait[0] and not isinstance(reply, Exception):
+            return _not_replicated(acked, self._wait)
+        return reply
+
+    async def _redirect(self, call: _Call, error: Exception) -> None:
+        """The command was refused unapplied: send it where the slot is now."""
+        if isinstance(error, MovedError):
+            await self._backend.moved(error)
+        elif isinstance(error, AskError):  # mid-migration: this one command goes there
+            target = self._backend.node_at(error.host, int(error.port))
+            _settle(call, await self._alone(target, call, ("ASKING",)))
+            return
+        else:  # TRYAGAIN (keys split by a migration) or CLUSTERDOWN: wait a moment
+            await asyncio.sleep(0.05 * call.redirects)
+            await self._backend.refresh()
+        self._enqueue(call)
+
+
+def _not_replicated(acked: int, wait: tuple[int, int]) -> Rejected:
+    return Rejected("replication_timeout",
+                    f"written, but {acked} of {wait[0]} replicas confirmed within {wait[1]} ms; "
+                    "retry with the same idempotency key")
+
+
+def _settle(call: _Call, reply: Any) -> None:
+    if call.future.done():
+        return  # the caller went away; the command stands
+    if isinstance(reply, BaseException):
+        call.future.set_exception(reply)
+    else:
+        call.future.set_result(reply)
+
+
+async def _round_trip(node: Node, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Write every command at once, read every reply: an error reply is that command's."""
+    pool = node.client.connection_pool
+    connection = await pool.get_connection()
+    try:
+        await connection.send_packed_command(
+            b"".join([hiredis.pack_command(args) for args in commands]))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies
+    except BaseException:
+        # Replies may be half read: the connection is of no use to anyone now.
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)

@@ -77,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not settings.redis_url:
         embedded = EmbeddedRedis(data_path(settings))
         os.environ["GATEWAY_REDIS_URL"] = embedded.start()
+        embedded.supervise()
         print(f"embedded server: {embedded.url} (data in {embedded.data_dir})", flush=True)
     if embedded is not None or settings.dev:
         # A complete product out of the box: the demo agent answers unless told not to.
@@ -131,17 +132,17 @@ def cmd_publish(args: argparse.Namespace) -> int:
     settings = load_settings(data_dir=args.data_dir)
 
     async def run() -> Any:
-        import redis.asyncio as aioredis
-
+        from .backend import Backend
         from .conversations import Conversations
         from .store import Store
 
-        client = aioredis.from_url(_redis_url(settings))
+        backend = await Backend.connect(msgspec.structs.replace(
+            settings, redis_url=_redis_url(settings)))
         try:
-            ops = Conversations(Store(client, settings), settings)
+            ops = Conversations(Store(backend, settings), settings)
             return await ops.publish(Principal("cli", "service"), args.chat, [event])
         finally:
-            await client.aclose()
+            await backend.aclose()
 
     result = asyncio.run(run())
     print(msgspec.json.encode({"epoch": result.epoch, "seqs": result.seqs}).decode())

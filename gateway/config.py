@@ -26,6 +26,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dev: bool = False  # dev mode: prints a token, serves the demo page
     demo_agent: bool = False  # run the demo agent inside the gateway (embedded default, dev)
     auto_create: bool = True  # subscribe/message to an unknown chat creates it
+    # Seconds any Redis call may take (connect, or one reply) before it fails: a frozen
+    # server fails requests and /readyz in bounded time instead of hanging them.
+    redis_timeout: float = 3.0
+    # Replicas a durable write must reach before it is acknowledged (WAIT), and how long to
+    # wait for them; past it the caller gets `replication_timeout` (safe to retry with the
+    # same idempotency key).
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
 
     turn_timeout: float = 300.0  # seconds before the gateway ends a silent turn
     history_maxlen: int = 10_000  # stream entries kept per conversation (approximate trim)
@@ -91,9 +99,11 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
         raise ConfigError(str(exc)) from None
     for name in ("replay_limit", "buffer_max_frames", "buffer_max_bytes", "queue_max_bytes",
                  "max_frame_bytes", "max_subscriptions", "max_connections_per_user",
-                 "inbox_partitions", "stream_max_bytes"):
+                 "inbox_partitions", "stream_max_bytes", "redis_timeout", "wait_timeout_ms"):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
+    if settings.wait_replicas < 0:
+        raise ConfigError(f"{_ENV_PREFIX}WAIT_REPLICAS must not be negative")
     for kind in settings.stream_types:
         if not re.match(r"^(delta|[a-z][a-z0-9_.]{0,57}_delta)$", kind):
             raise ConfigError(f"{_ENV_PREFIX}STREAM_TYPES: {kind!r} is not `delta` or `X_delta`")

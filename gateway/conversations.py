@@ -1,12 +1,14 @@
 """What can be done to a conversation, whoever asks: the WebSocket, the HTTP API, the CLI.
 
 Turns agent- and user-facing requests into validated :class:`OutEvent` batches for the
-store, and runs the sweeper that ends turns nobody ended.
+store, hands each new turn to the agents (:mod:`gateway.inbox`), and runs the sweeper that
+ends turns nobody ended and does hand-offs a crashed gateway left undone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -19,13 +21,15 @@ from . import protocol as p
 from .auth import Principal
 from .config import Settings
 from .errors import Rejected
-from .store import OutEvent, Published, Store
+from .inbox import Handoff, Inbox
+from .store import Meta, OutEvent, Published, Store
 
 log = logging.getLogger("gateway.conversations")
 
 _encode = msgspec.json.encode
 PREVIEW_CHARS = 120
 TITLE_MAX = 200
+SEQ_SCAN = 500  # latest events searched for a stranded turn's turn_start
 
 
 def now_ms() -> int:
@@ -88,6 +92,7 @@ class Conversations:
     def __init__(self, store: Store, settings: Settings) -> None:
         self.store = store
         self.settings = settings
+        self.inbox = Inbox(store)
 
     async def post_message(self, who: Principal, req: p.Message) -> p.Ack:
         """Append the user's message and start a turn; a retried ``client_msg_id`` is a no-op."""
@@ -99,25 +104,33 @@ class Conversations:
         if req.data is not None:
             data["data"] = req.data
         preview = " ".join(req.text.split())[:PREVIEW_CHARS]
-        result = await self.store.publish(
-            req.chat_id,
-            [OutEvent("user_message", _encode(data), True, preview),
-             OutEvent("turn_start", b"{}", True, turn_id)],
-            create_owner=who.user_id if self.settings.auto_create else "",
-            idempotency_key=f"m:{who.user_id}:{req.client_msg_id}",
-            note=turn_id,
-            writer=who.writer(),
-        )
-        if not result.duplicate:
+        handoff = Handoff(req.chat_id, turn_id, who.user_id, req.text, req.client_msg_id,
+                          _encode(req.data).decode() if req.data is not None else "")
+        await self.inbox.stage(handoff)  # first: from here on, a crash cannot lose the turn
+        try:
+            result = await self.store.publish(
+                req.chat_id,
+                [OutEvent("user_message", _encode(data), True, preview),
+                 OutEvent("turn_start", b"{}", True, turn_id)],
+                create_owner=who.user_id if self.settings.auto_create else "",
+                idempotency_key=f"m:{who.user_id}:{req.client_msg_id}",
+                note=turn_id,
+                writer=who.writer(),
+            )
+        except Rejected:
+            with contextlib.suppress(RedisError, OSError):  # else the sweeper drops it
+                await self.inbox.discard(handoff)
+            raise
+        if result.duplicate:  # the first attempt's turn, handed off by that attempt
+            with contextlib.suppress(RedisError, OSError):
+                await self.inbox.discard(handoff)
+        else:
             deadline = result.ts + int(self.settings.turn_timeout * 1000)
-            seq = result.seqs[0]
-            await self.store.turn_started(req.chat_id, turn_id, deadline, {
-                "kind": "message", "chat_id": req.chat_id, "turn_id": turn_id,
-                "seq": str(seq), "user_id": who.user_id, "text": req.text,
-                "client_msg_id": req.client_msg_id,
-                "data": _encode(req.data).decode() if req.data is not None else "",
-                "started_at": str(result.ts),
-            })
+            try:
+                await self.inbox.hand_off(handoff, result.seqs[0] or 0, result.ts, deadline)
+            except (RedisError, OSError) as exc:  # the message stands: acknowledge it
+                log.warning("handing off %s %s: %s; the sweeper will", req.chat_id, turn_id,
+                            exc)
         return p.Ack(req.chat_id, result.seqs[0], req.client_msg_id, result.note,
                      result.duplicate, req.id)
 
@@ -126,7 +139,7 @@ class Conversations:
             req.chat_id, [OutEvent("cancel_requested", b"{}", True, req.turn_id or "")],
             writer=who.writer(),
         )
-        await self.store.to_inbox(req.chat_id, {
+        await self.inbox.to_inbox(req.chat_id, {
             "kind": "cancel", "chat_id": req.chat_id, "turn_id": result.note,
             "seq": str(result.seqs[0]), "user_id": who.user_id,
         })
@@ -164,7 +177,7 @@ class Conversations:
     async def end_overdue_turns(self) -> int:
         """End every turn past its deadline with ``reason: timeout``; returns how many."""
         ended = 0
-        for chat_id, turn_id in await self.store.due_turns(now_ms()):
+        for chat_id, turn_id in await self.inbox.due_turns(now_ms()):
             try:
                 await self.store.publish(
                     chat_id, [OutEvent("turn_end", b'{"reason":"timeout"}', True, turn_id)]
@@ -172,14 +185,52 @@ class Conversations:
                 ended += 1
             except Rejected:
                 pass  # already ended, or the conversation is gone
-            await self.store.untrack_turn(chat_id, turn_id)
+            await self.inbox.untrack_turn(chat_id, turn_id)
         return ended
+
+    async def hand_off_stranded(self) -> int:
+        """Do the hand-offs whose gateway died after staging them; returns how many.
+
+        A hand-off is done only if its conversation runs its turn (the publish happened);
+        else it is dropped (the publish never happened, or was refused, or the turn is
+        over). One whose publish is still under way is dropped too, harmlessly: that
+        publisher hands off itself once its publish returns.
+        """
+        handed = 0
+        for handoff in await self.inbox.due_handoffs(now_ms()):
+            meta = await self.store.meta(handoff.chat_id)
+            if meta is None or meta.status != "running" or meta.turn_id != handoff.turn_id:
+                await self.inbox.discard(handoff)
+                continue
+            started_at = meta.started_at or now_ms()
+            deadline = started_at + int(self.settings.turn_timeout * 1000)
+            seq = await self._message_seq(handoff.chat_id, handoff.turn_id, meta)
+            if await self.inbox.hand_off(handoff, seq, started_at, deadline):
+                log.info("handed off %s %s for a gateway that did not", handoff.chat_id,
+                         handoff.turn_id)
+                handed += 1
+        return handed
+
+    async def _message_seq(self, chat_id: str, turn_id: str, meta: Meta) -> int:
+        """The seq of the user message that started the running turn ``turn_id``: the
+        one before its ``turn_start``, among the latest events. If that is older than
+        ``SEQ_SCAN`` events, the oldest seq searched (a turn reads its events after it)."""
+        after = max(0, meta.seq - SEQ_SCAN)
+        history = await self.store.read(chat_id, after=after, limit=SEQ_SCAN)
+        for seq, frame in reversed(history.frames):
+            if b'"turn_start"' in frame:
+                event = msgspec.json.decode(frame)
+                if event.get("type") == "turn_start" and \
+                        (event.get("data") or {}).get("turn_id") == turn_id:
+                    return seq - 1
+        return after
 
     async def run_turn_sweeper(self) -> None:
         interval = min(1.0, max(0.05, self.settings.turn_timeout / 4))
         while True:
             try:
                 await self.end_overdue_turns()
+                await self.hand_off_stranded()
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("turn sweeper: %s", exc)
             await asyncio.sleep(interval)

@@ -4,6 +4,11 @@ It listens only on a unix socket in the data directory and keeps an append-only 
 there, so history survives a restart of the gateway. It must never outlive the gateway:
 the child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), which
 covers a SIGKILL of the gateway too.
+
+It is supervised: if it dies, it is started again on the same data directory and socket.
+Meanwhile the gateway is not ready (``/readyz`` 503) and, past ``GATEWAY_REDIS_TIMEOUT``,
+closes its sockets with 1013; clients come back and resume, and nothing acknowledged is
+lost (every write is in the append-only file before it is acknowledged).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from importlib.util import find_spec
 from pathlib import Path
@@ -60,6 +66,8 @@ class EmbeddedRedis:
         self.socket_path = data_dir / "redis.sock"
         self.persistent = persistent
         self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._stopping = False
 
     @property
     def url(self) -> str:
@@ -94,7 +102,7 @@ class EmbeddedRedis:
             if self._answers():
                 return self.url
             time.sleep(0.02)
-        self.stop()
+        self._terminate()
         raise EmbeddedError(f"embedded server did not answer within {timeout:g}s")
 
     def _answers(self) -> bool:
@@ -107,7 +115,37 @@ class EmbeddedRedis:
         except OSError:
             return False
 
+    def supervise(self) -> None:
+        """Start it again whenever it exits, until :meth:`stop`."""
+        self._stopping = False
+        threading.Thread(target=self._watch, name="embedded-supervisor", daemon=True).start()
+
+    def _watch(self) -> None:
+        backoff = 0.05
+        while not self._stopping:
+            process = self.process
+            if process is None:
+                return
+            code = process.wait()
+            if self._stopping:
+                return
+            print(f"embedded server exited with {code}; starting it again", file=sys.stderr,
+                  flush=True)
+            try:
+                self.start()
+                self.restarts += 1
+                backoff = 0.05
+            except EmbeddedError as exc:
+                print(f"embedded server: {exc}; retrying in {backoff:g}s", file=sys.stderr,
+                      flush=True)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
     def stop(self) -> None:
+        self._stopping = True
+        self._terminate()
+
+    def _terminate(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()

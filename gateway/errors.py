@@ -20,6 +20,7 @@ HTTP_STATUS = {
     "conflict": 409,
     "unprocessable": 422,
     "backend_unavailable": 503,
+    "replication_timeout": 503,
 }
 
 

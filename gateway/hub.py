@@ -1,7 +1,8 @@
-"""This process's rooms: one pub/sub connection, each frame encoded once, gap repair.
+"""This process's rooms: sharded pub/sub, each frame encoded once, gap repair.
 
-Every published event reaches each gateway process once, over a single Redis pub/sub
-connection. The hub turns it into a :class:`Frame` (the JSON bytes as stored; the
+Every published event reaches each gateway process once, over one pub/sub connection per
+Redis node that owns a channel this process reads (one in all on a single server; see
+:mod:`~gateway.pubsub`). The hub turns it into a :class:`Frame` (the JSON bytes as stored; the
 MessagePack form and the complete WebSocket frames made on first use) and hands the same
 object to every local member.
 
@@ -15,22 +16,24 @@ position with it; it rejoins only at the room's current position.
 
 Durable frames carry ``(epoch, seq)``. A room remembers the last seq it delivered; a frame
 that jumps ahead means pub/sub lost something (a reconnect, a failover), so the room fetches
-the missing range from the stream and delivers it first. Members never see a hole.
+the missing range from the stream and delivers it first. Members never see a hole. After
+any resubscribe (a reconnect, a slot that moved to another node) the room checks the
+store the same way, and a history that went backwards makes every member resync.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import AskError, RedisError, ResponseError
 
+from .backend import Backend, Node
+from .pubsub import ShardReader
 from .store import History, Store, feed_channel, room_channel
 from .transport.frames import binary_frame, text_frame
 
@@ -199,25 +202,27 @@ def _write_all(writers: dict[Write, Member], data: bytes) -> None:
 
 
 class Hub:
-    """Owns the pub/sub connection and every room and feed of this process."""
+    """Owns every room and feed of this process and the pub/sub readers that feed them."""
 
-    def __init__(self, redis: aioredis.Redis, store: Store) -> None:
-        self._redis = redis
+    def __init__(self, backend: Backend, store: Store,
+                 on_unavailable: Callable[[], None] | None = None) -> None:
+        self._backend = backend
         self._store = store
-        self._pubsub = redis.pubsub()
+        self._on_unavailable = on_unavailable
+        self._readers: dict[Node, ShardReader] = {}
+        self._owner: dict[bytes, ShardReader] = {}  # channel -> the reader subscribing it
+        self._lost: set[bytes] = set()  # channels to check against the store once confirmed
         self._rooms: dict[str, Room] = {}
         self._rooms_by_channel: dict[bytes, Room] = {}
         self._feeds: dict[bytes, dict[Member, None]] = {}
         self._confirm: dict[bytes, asyncio.Future[None]] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._control = f"gateway:hub:{os.getpid()}:{id(self)}".encode()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._subscribing: dict[bytes, None] = {}
         self._unsubscribing: dict[bytes, None] = {}
         self._flush_scheduled = False
-        # False while the pub/sub connection is down: live frames are not arriving (readyz).
-        self.connected = False
-        self._pubsub_order = asyncio.Lock()
+        self._rerouting = False
+        self._down_since: float | None = None
+        self._up = asyncio.Event()  # set once every reader has connected
         self._reads_started = 0
         # In-flight history reads: (chat, after, limit) -> (the read's number, its task).
         self._reads: dict[tuple[str, int | None, int, str],
@@ -226,24 +231,31 @@ class Hub:
     # --- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        # A permanent subscription keeps the connection in pub/sub mode with no rooms.
-        self._confirm[self._control] = asyncio.get_running_loop().create_future()
-        await self._pubsub.subscribe(self._control)
-        assert self._pubsub.connection is not None
-        self._pubsub.connection.register_connect_callback(self._on_connect)
-        self._task = asyncio.create_task(self._run(), name="hub-reader")
-        await self._confirmed(self._control)
-        self.connected = True
+        """Connect to every primary, so that readiness means live frames can arrive."""
+        for node in self._backend.primaries():
+            self._reader(node)
+        await asyncio.wait_for(self._up.wait(), timeout=self._backend.settings.redis_timeout * 3)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
         for task in list(self._tasks):
             task.cancel()
-        with contextlib.suppress(Exception):
-            await self._pubsub.aclose()
+        for reader in list(self._readers.values()):
+            await reader.stop()
+
+    @property
+    def connected(self) -> bool:
+        """Live frames are arriving: every reader that has channels (or is the only one)
+        is connected, and none of our channels waits to move to another node (readyz)."""
+        readers = self._readers.values()
+        return bool(readers) and all(r.connected for r in readers) and not self._rerouting
+
+    def _reader(self, node: Node) -> ShardReader:
+        reader = self._readers.get(node)
+        if reader is None:
+            reader = self._readers[node] = ShardReader(
+                node, self, probe=self._backend.settings.redis_timeout)
+            reader.start()
+        return reader
 
     # --- rooms ------------------------------------------------------------------------
 
@@ -342,7 +354,7 @@ class Hub:
 
     # --- pub/sub plumbing -------------------------------------------------------------
 
-    # Channels joined or left within one loop turn go out as one SUBSCRIBE / UNSUBSCRIBE: a
+    # Channels joined or left within one loop turn go out together, one write per node: a
     # burst of connects costs one round trip, not one each.
 
     def _subscribe(self, channel: bytes) -> None:
@@ -370,31 +382,34 @@ class Hub:
         unsubscribe = [c for c in self._unsubscribing
                        if c not in self._rooms_by_channel and c not in self._feeds]
         self._unsubscribing = {}
-        if unsubscribe:
-            self._spawn(self._send_unsubscribe(unsubscribe))
-        if subscribe:
-            self._spawn(self._send_subscribe(subscribe))
+        leaving: dict[ShardReader, list[bytes]] = {}
+        for channel in unsubscribe:
+            self._lost.discard(channel)
+            reader = self._owner.pop(channel, None)
+            if reader is not None:
+                leaving.setdefault(reader, []).append(channel)
+        for reader, channels in leaving.items():
+            reader.remove(channels)
+        joining: dict[ShardReader, list[bytes]] = {}
+        for channel in subscribe:
+            try:
+                reader = self._reader(self._backend.node(channel))
+            except Exception as exc:  # no node serves the slot: joiners fail (1013)
+                self._fail(channel, exc)
+                continue
+            previous = self._owner.get(channel)
+            if previous is not None and previous is not reader:
+                previous.remove([channel])
+            self._owner[channel] = reader
+            joining.setdefault(reader, []).append(channel)
+        for reader, channels in joining.items():
+            reader.add(channels)
 
-    # The lock keeps the commands in the order they were asked for (its waiters are FIFO):
-    # an UNSUBSCRIBE must never overtake the SUBSCRIBE of a room joined again after it.
-
-    async def _send_subscribe(self, channels: list[bytes]) -> None:
-        try:
-            async with self._pubsub_order:
-                await self._pubsub.subscribe(*channels)
-        except (RedisError, ConnectionError, OSError) as exc:
-            # Whoever waits for these channels fails (their sessions close with 1013); the
-            # next join of an abandoned channel subscribes anew.
-            for channel in channels:
-                future = self._confirm.get(channel)
-                if future is not None and not future.done():
-                    future.set_exception(ConnectionError(f"subscribe failed: {exc}"))
-                    future.add_done_callback(_retrieved)
-
-    async def _send_unsubscribe(self, channels: list[bytes]) -> None:
-        with contextlib.suppress(RedisError, ConnectionError, OSError):
-            async with self._pubsub_order:
-                await self._pubsub.unsubscribe(*channels)
+    def _fail(self, channel: bytes, error: Exception) -> None:
+        future = self._confirm.get(channel)
+        if future is not None and not future.done():
+            future.set_exception(ConnectionError(f"subscribe failed: {error}"))
+            future.add_done_callback(_retrieved)
 
     async def _confirmed(self, channel: bytes) -> None:
         future = self._confirm.get(channel)
@@ -406,37 +421,88 @@ class Hub:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                if self._pubsub.connection is None or not self._pubsub.connection.is_connected:
-                    await self._pubsub.connect()  # its callback resubscribes every channel
-                self.connected = True
-                while True:
-                    message = await self._pubsub.parse_response(block=True)
-                    if message is None:
-                        continue
-                    if message[0] == b"message":
-                        self._dispatch(message[1], message[2])
-                    else:  # subscribe confirmations: let redis-py keep its own books too
-                        await self._pubsub.handle_message(message)
-                        if message[0] == b"subscribe":  # no future left: confirmed
-                            future = self._confirm.pop(message[1], None)
-                            if future is not None and not future.done():
-                                future.set_result(None)
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, ConnectionError, OSError) as exc:
-                self.connected = False
-                log.warning("pub/sub connection lost (%s); reconnecting", exc)
-                with contextlib.suppress(Exception):
-                    await self._pubsub.connection.disconnect()  # type: ignore[union-attr,attr-defined]
-                await asyncio.sleep(0.5)
+    # --- what the readers report (pubsub.Listener) ------------------------------------
 
-    async def _on_connect(self, connection: Any) -> None:
-        """Runs on every (re)connect: frames published while we were away never arrive."""
-        for room in list(self._rooms.values()):
-            self._spawn(self._resync(room))
+    def on_message(self, channel: bytes, data: bytes) -> None:
+        self._dispatch(channel, data)
+
+    def on_subscribed(self, reader: ShardReader, channel: bytes) -> None:
+        if self._owner.get(channel) is not reader:
+            return  # a stale confirmation from a node the channel has left
+        future = self._confirm.pop(channel, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+        if channel in self._lost:
+            # Frames published while we were not subscribed never arrive: catch up.
+            self._lost.discard(channel)
+            room = self._rooms_by_channel.get(channel)
+            if room is not None:
+                self._spawn(self._resync(room))
+
+    def on_dropped(self, reader: ShardReader, channel: bytes) -> None:
+        log.info("node %s dropped channel %r (its slot moved); resubscribing",
+                 reader.node.name, channel)
+        self._lost.add(channel)
+        self._spawn(self._reroute(refresh=True))
+
+    def on_refused(self, reader: ShardReader, error: ResponseError) -> None:
+        log.info("node %s refused a subscribe: %s", reader.node.name, error)
+        if isinstance(error, AskError):
+            self._spawn(self._reroute(moved=error))
+        else:
+            self._spawn(self._reroute(refresh=True))
+
+    def on_up(self, reader: ShardReader) -> None:
+        self._down_since = None
+        if self.connected:
+            self._up.set()
+
+    def on_down(self, reader: ShardReader, error: BaseException) -> None:
+        # Everything it had is lost until it is subscribed again, here or elsewhere.
+        for channel, owner in self._owner.items():
+            if owner is reader:
+                self._lost.add(channel)
+        loop = asyncio.get_running_loop()
+        if self._down_since is None:
+            self._down_since = loop.time()
+        elif (all(not r.connected for r in self._readers.values())
+              and loop.time() - self._down_since > self._backend.settings.redis_timeout):
+            self._down_since = math.inf  # once per outage
+            log.warning("Redis unreachable for over %.1fs: sessions are told to come back",
+                        self._backend.settings.redis_timeout)
+            if self._on_unavailable is not None:
+                self._on_unavailable()
+        if self._backend.cluster:
+            self._spawn(self._reroute(refresh=True))
+
+    async def _reroute(self, refresh: bool = False, moved: AskError | None = None) -> None:
+        """Move every channel whose slot another node owns now; drop readers left idle."""
+        self._rerouting = True
+        try:
+            if moved is not None:
+                await self._backend.moved(moved)
+            elif refresh:
+                await self._backend.refresh()
+            moving = [c for c, r in self._owner.items() if self._backend.node(c) is not r.node]
+            moving += [c for c in self._lost if c in self._owner and c not in moving]
+            for channel in moving:
+                self._lost.add(channel)
+                new = self._reader(self._backend.node(channel))
+                old = self._owner[channel]
+                if old is not new:
+                    old.remove([channel])
+                    self._owner[channel] = new
+                new.add([channel])
+            owners = set(self._owner.values())
+            primaries = set(self._backend.primaries())
+            for node, reader in list(self._readers.items()):
+                if reader not in owners and node not in primaries:
+                    del self._readers[node]
+                    await reader.stop()
+        except (RedisError, OSError) as exc:
+            log.warning("rerouting subscriptions: %s", exc)
+        finally:
+            self._rerouting = False
 
     def _dispatch(self, channel: bytes, data: bytes) -> None:
         room = self._rooms_by_channel.get(channel)
@@ -519,8 +585,15 @@ class Hub:
                     self._advance(room, epoch, frame)
 
     async def _resync(self, room: Room) -> None:
-        """After a reconnect: catch up, or notice that the history went backwards."""
-        meta = await self._store.meta(room.chat_id)
+        """After a resubscribe: catch up, or notice that the history went backwards."""
+        try:
+            meta = await self._store.meta(room.chat_id)
+        except (RedisError, ConnectionError, OSError) as exc:
+            log.warning("room %s: checking after a resubscribe failed (%s); again soon",
+                        room.chat_id, exc)
+            self._lost.add(room.channel.encode())
+            self._spawn(self._reroute(refresh=True))
+            return
         if room.last_seq is None or room.repairing or self._rooms.get(room.chat_id) is not room:
             return
         if meta is None or meta.epoch != room.epoch:

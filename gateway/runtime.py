@@ -13,12 +13,12 @@ import gc
 import logging
 from typing import Protocol
 
-import redis.asyncio as aioredis
 from starlette.requests import HTTPConnection
 
 from .agent import AgentWorker
 from .auth import AuthError, Principal, TokenCache, bearer
-from .closecodes import SERVER_RESTART
+from .backend import Backend, Client
+from .closecodes import BACKEND_UNAVAILABLE, SERVER_RESTART
 from .config import ConfigError, Settings
 from .conversations import Conversations
 from .errors import Rejected
@@ -27,7 +27,6 @@ from .store import Store
 
 log = logging.getLogger("gateway")
 
-REDIS_MAX_CONNECTIONS = 100  # per process, the pub/sub connection included
 # The heap of a gateway is mostly long-lived connection state, and every request allocates:
 # at CPython's default (700, 10, 10) the cyclic collector ran every few requests and
 # rescanned that state, 17 % of the CPU of a busy publish path. Collect less often.
@@ -50,38 +49,38 @@ class Gateway:
         if not settings.secret:
             raise ConfigError("GATEWAY_SECRET is not set (`gateway serve --dev` makes one)")
         self.settings = settings
-        # redis-py's default pool raises MaxConnectionsError once 100 commands are in flight
-        # (e.g. a burst of subscribes after a restart), which would close those sessions with
-        # 1013. A blocking pool makes the burst wait for a free connection instead.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS, timeout=10,
-            decode_responses=False, health_check_interval=30,
-        )
-        self.redis = aioredis.Redis.from_pool(pool)
-        self.store = Store(self.redis, settings)
-        self.hub = Hub(self.redis, self.store)
-        self.conversations = Conversations(self.store, settings)
+        # Made by start(): which Redis it is (a single server, a cluster) must be asked.
+        self.backend: Backend
+        self.redis: Client  # for the rare commands; redis-py routes them
+        self.store: Store
+        self.hub: Hub
+        self.conversations: Conversations
         self.tokens = TokenCache(settings.secret)
         self.sessions: dict[str, set[Connection]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.agent: AgentWorker | None = None
 
     async def start(self) -> None:
-        await self.redis.ping()
+        self.backend = await Backend.connect(self.settings)
+        self.redis = self.backend.client
+        self.store = Store(self.backend, self.settings)
+        self.hub = Hub(self.backend, self.store, on_unavailable=self._backend_unavailable)
+        self.conversations = Conversations(self.store, self.settings)
         await self.hub.start()
         self._sweeper = asyncio.create_task(self.conversations.run_turn_sweeper())
         if self.settings.demo_agent:
+            from .agent import stable_consumer
             from .demo_agent import handle
 
-            self.agent = AgentWorker(self.redis, self.settings, handle)
+            # A stable name: restarted, this process resumes the turns it was running.
+            self.agent = AgentWorker(self.redis, self.settings, handle,
+                                     consumer=stable_consumer(self.settings.port))
             await self.agent.start()
         gc.set_threshold(*GC_THRESHOLDS)
         gc.freeze()  # what start-up made lives as long as the process: never scan it again
 
     async def stop(self) -> None:
-        for sessions in list(self.sessions.values()):
-            for session in list(sessions):
-                session.close(SERVER_RESTART, "server restarting")
+        self._close_all(SERVER_RESTART, "server restarting")
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self.agent is not None:
@@ -90,7 +89,18 @@ class Gateway:
         with contextlib.suppress(Exception):
             await asyncio.sleep(0.05)
         await self.hub.stop()
-        await self.redis.aclose()
+        await self.backend.aclose()
+
+    def _backend_unavailable(self) -> None:
+        """Redis has been unreachable for a while: nothing a session does can work, and
+        frames are not arriving. Tell every client to come back after a backoff (1013);
+        they resume where they were once Redis is back."""
+        self._close_all(BACKEND_UNAVAILABLE, "backend unavailable")
+
+    def _close_all(self, code: int, reason: str) -> None:
+        for sessions in list(self.sessions.values()):
+            for session in list(sessions):
+                session.close(code, reason)
 
     def authenticate(self, request: HTTPConnection) -> Principal:
         """Who an HTTP request comes from: its bearer token (header, else ``?token=``)."""

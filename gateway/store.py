@@ -1,37 +1,36 @@
 """Redis Streams storage: publish (one Lua call), history ranges, conversation state.
 
 Every key of a conversation carries the hash tag ``{chat_id}`` so each script touches one
-cluster slot. Key layout::
+cluster slot, and its pub/sub channel is a sharded channel in that slot: on a cluster,
+its traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``.
+Key layout::
 
     c:{chat}:meta        hash: owner, title, status, turn_id, started_at, goal, epoch, seq, ...
     c:{chat}:stream      durable events, entry id "<seq>-0", field "f" = the encoded frame
     c:{chat}:text:<type> the text of the conversation's open stream of a streamed type
                          (its id, turn, next position and attempt: meta field st:<type>)
     c:{chat}:idem:<key>  first result of an idempotent publish or message (TTL)
-    c:{chat}:ev          pub/sub channel of the room
-    feed:<user>          pub/sub channel of a user's conversation feed
-    convs:<user>         sorted set: the user's conversations by last change
-    turns:deadlines      sorted set: running turns by timeout deadline ("chat turn_id")
-    inbox:{<n>}          agent inbox partition n: messages and cancels, read by consumer groups
+    c:{chat}:ev          sharded pub/sub channel of the room
+    {u:<user>}:feed      sharded pub/sub channel of a user's conversation feed
+    {u:<user>}:convs     sorted set: the user's conversations by last change
+
+The agent inbox, turn deadlines and the hand-off outbox are :mod:`gateway.inbox`'s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
-import zlib
 from importlib import resources
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 
-from .autopipeline import AutoPipeline
+from .autopipeline import AutoPipeline, Script
+from .backend import Backend
 from .config import Settings
 from .errors import Rejected
-
-FEED_PREFIX = "feed:"
-TURN_DEADLINES = "turns:deadlines"
 
 
 def meta_key(chat_id: str) -> str:
@@ -55,20 +54,11 @@ def room_channel(chat_id: str) -> str:
 
 
 def feed_channel(user_id: str) -> str:
-    return FEED_PREFIX + user_id
-
-
-def inbox_key(partition: int) -> str:
-    return f"inbox:{{{partition}}}"
-
-
-def inbox_partition(chat_id: str, partitions: int) -> int:
-    """Stable across processes and restarts, so one chat's entries stay in one ordered stream."""
-    return zlib.crc32(chat_id.encode()) % partitions
+    return f"{{u:{user_id}}}:feed"
 
 
 def index_key(user_id: str) -> str:
-    return f"convs:{user_id}"
+    return f"{{u:{user_id}}}:convs"
 
 
 class OutEvent(msgspec.Struct, frozen=True):
@@ -190,17 +180,18 @@ def _script(name: str) -> str:
 class Store:
     """All of the gateway's Redis reads and writes."""
 
-    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
-        self.redis = redis
+    def __init__(self, backend: Backend, settings: Settings) -> None:
+        self.backend = backend
+        self.redis = backend.client
         self.settings = settings
         # The hot paths (publish, read, state) go through the auto-pipeline; the rare ones
         # (lists, the agent inbox) use the client directly.
-        self.pipeline = AutoPipeline(redis)
+        self.pipeline = AutoPipeline(backend)
         self._new_epoch = Epochs()
-        self._publish = redis.register_script(_script("publish.lua"))
-        self._read = redis.register_script(_script("read.lua"))
-        self._delete = redis.register_script(_script("delete.lua"))
-        self._rotate = redis.register_script(
+        self._publish = Script(_script("publish.lua"))
+        self._read = Script(_script("read.lua"))
+        self._delete = Script(_script("delete.lua"))
+        self._rotate = Script(
             "if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then "
             "redis.call('HSET', KEYS[1], 'epoch', ARGV[2]) end")
         self._stream_types = ",".join(settings.stream_types)
@@ -225,13 +216,13 @@ class Store:
         if idempotency_key is not None:
             keys.append(idem_key(chat_id, idempotency_key))
         args: list[Any] = [
-            room_channel(chat_id), FEED_PREFIX, self.settings.history_maxlen,
+            room_channel(chat_id), self.settings.history_maxlen,
             self.settings.idempotency_ttl, create_owner, self._new_epoch(), chat_id,
             len(events), note, writer, self._stream_types, self.settings.stream_max_bytes,
         ]
         for event in events:
             args += [event.type, "1" if event.durable else "0", event.data, event.extra]
-        reply = await self.pipeline.evalsha(self._publish, keys, args)
+        reply = await self.pipeline.evalsha(self._publish, keys, args, durable=True)
         status = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
         fields = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
         if status == "err":
@@ -247,22 +238,27 @@ class Store:
             created=len(fields) > 9 and fields[9] == "1" and fields[5] != "1",
         )
         if fields[7] == "1" and not result.duplicate:
-            # The conversation list lives under the user's key, another cluster slot, so
-            # it cannot join the script; only list-visible changes pay this second write.
-            await self.pipeline.execute("ZADD", index_key(result.owner), result.ts, chat_id)
+            await self._list_changed(result.owner, result.ts, chat_id, reply[10])
         return result
+
+    async def _list_changed(self, owner: str, ts: int, chat_id: str, feed: bytes) -> None:
+        """The conversation list and the owner's feed live in the owner's slot, not the
+        conversation's, so they cannot join its script: only list-visible changes pay this
+        second write (one round trip: both go out in the same batch)."""
+        await asyncio.gather(self.pipeline.execute("ZADD", index_key(owner), ts, chat_id),
+                             self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
 
     async def read(self, chat_id: str, after: int | None, limit: int,
                    create_owner: str = "") -> History:
         """The state plus up to ``limit`` durable frames with seq > ``after``, atomically;
         with ``create_owner``, a conversation that does not exist is created first."""
-        flat, entries, created, open_streams = await self.pipeline.evalsha(
+        flat, entries, created, open_streams, *feed = await self.pipeline.evalsha(
             self._read, self._keys(chat_id),
             ["" if after is None else after, limit, create_owner, self._new_epoch(),
-             chat_id, FEED_PREFIX, self._stream_types])
+             chat_id, self._stream_types])
         meta = Meta.from_hash(_as_dict(flat))
         if created and meta is not None:
-            await self.pipeline.execute("ZADD", index_key(meta.owner), meta.created_at, chat_id)
+            await self._list_changed(meta.owner, meta.created_at, chat_id, feed[0])
         frames = [(int(entry_id.split(b"-")[0]), fields[1]) for entry_id, fields in entries]
         streams = [OpenStream.parse(*open_streams[i:i + 3])
                    for i in range(0, len(open_streams), 3)]
@@ -278,14 +274,14 @@ class Store:
 
     async def delete(self, chat_id: str) -> str | None:
         """Delete a conversation; returns its former owner, or None if it did not exist."""
-        owner = await self.pipeline.evalsha(
-            self._delete, self._keys(chat_id),
-            [room_channel(chat_id), FEED_PREFIX, chat_id],
-        )
-        if not owner:
+        reply = await self.pipeline.evalsha(
+            self._delete, self._keys(chat_id), [room_channel(chat_id), chat_id], durable=True)
+        if not reply:
             return None
-        await self.redis.zrem(index_key(owner.decode()), chat_id)
-        return str(owner.decode())
+        owner, feed = reply[0].decode(), reply[1]
+        await asyncio.gather(self.pipeline.execute("ZREM", index_key(owner), chat_id),
+                             self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
+        return str(owner)
 
     async def conversations(
         self, user_id: str, before: int | None, limit: int
@@ -326,32 +322,4 @@ class Store:
             if meta is not None:
                 found.append((chat.decode(), meta))
         return found, next_cursor
-
-    async def turn_started(self, chat_id: str, turn_id: str, deadline_ms: int,
-                           inbox_entry: dict[str, str]) -> None:
-        """Arm the turn's timeout and hand the message to the agents, in one round trip."""
-        partition = inbox_partition(chat_id, self.settings.inbox_partitions)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(TURN_DEADLINES, {f"{chat_id} {turn_id}": deadline_ms})
-            pipe.xadd(inbox_key(partition), inbox_entry,  # type: ignore[arg-type]
-                      maxlen=self.settings.inbox_maxlen, approximate=True)
-            await pipe.execute()
-
-    async def to_inbox(self, chat_id: str, entry: dict[str, str]) -> None:
-        partition = inbox_partition(chat_id, self.settings.inbox_partitions)
-        await self.redis.xadd(inbox_key(partition), entry,  # type: ignore[arg-type]
-                              maxlen=self.settings.inbox_maxlen, approximate=True)
-
-    async def due_turns(self, now_ms: int, limit: int = 100) -> list[tuple[str, str]]:
-        rows: list[Any] = await self.redis.zrangebyscore(
-            TURN_DEADLINES, "-inf", now_ms, start=0, num=limit
-        )
-        due = []
-        for row in rows:
-            chat_id, _, turn_id = row.decode().partition(" ")
-            due.append((chat_id, turn_id))
-        return due
-
-    async def untrack_turn(self, chat_id: str, turn_id: str) -> None:
-        await self.redis.zrem(TURN_DEADLINES, f"{chat_id} {turn_id}")
 

@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 from gateway.auth import issue_token
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
-from gateway.store import inbox_key
+from gateway.inbox import inbox_key
 
 from .wsclient import Client, connect  # noqa: F401  (re-exported for tests)
 
@@ -159,3 +159,13 @@ def group(redis_url: str) -> Iterator[str]:
                 client.xgroup_destroy(inbox_key(n), name)
     finally:
         client.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The table of the fault tests (rows collected by tests/faults.py), when any ran."""
+    faults = sys.modules.get("tests.faults")
+    rows = getattr(faults, "ROWS", None)
+    if faults is not None and rows:
+        terminalreporter.write_sep("-", "faults under load")
+        for line in faults.table(rows):
+            terminalreporter.write_line(line)

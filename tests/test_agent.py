@@ -26,7 +26,7 @@ from redis.exceptions import ResponseError
 from gateway.agent import AgentWorker, Handler, Turn
 from gateway.config import Settings
 from gateway.demo_agent import handle as demo_handle
-from gateway.store import inbox_key
+from gateway.inbox import inbox_key
 
 from .wsclient import Client, connect
 

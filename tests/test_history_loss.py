@@ -13,15 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import redis
 import redis.asyncio as aioredis
 
+from gateway.backend import Backend
 from gateway.client import GatewayClient, Recovery
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
 from gateway.store import OutEvent, Store
 
+from .conftest import GatewayProcess, free_port
 from .publishing import publish
 from .test_client import FAST, collect
 from .wsclient import Client, Frame, connect
@@ -158,14 +161,18 @@ async def test_readyz_fails_while_the_pubsub_connection_is_down(
     client = redis.Redis.from_url(server.url)
     seen: set[int] = set()
     try:
-        async with httpx.AsyncClient(base_url=gw.http) as http, asyncio.timeout(10):
+        async with httpx.AsyncClient(base_url=gw.http) as http, asyncio.timeout(10), \
+                connect(gw.url("u-ready")) as ws:
+            # A room to read: the pub/sub connection is then in pub/sub mode (CLIENT KILL's
+            # type pubsub).
+            await ws.subscribe("ready")
             while 503 not in seen:  # kill it again and again: it is down most of the time
                 client.client_kill_filter(_type="pubsub")
-                for _ in range(5):
+                for _ in range(50):  # it reconnects within about 50 ms
                     resp = await http.get("/readyz")
                     seen.add(resp.status_code)
                     if resp.status_code == 503:
-                        assert resp.json()["error"]["message"] == "redis pub/sub: reconnecting"
+                        assert resp.json()["error"]["message"] == "pubsub: reconnecting"
                         break
             # Back once it reconnects (each probe is a real request: no idle wait needed).
             while (await http.get("/readyz")).status_code != 200:
@@ -182,7 +189,7 @@ async def test_an_acknowledged_event_survives_a_sigkill_of_the_embedded_server(
     server.start()
     try:
         client = aioredis.from_url(server.url)
-        store = Store(client, Settings())
+        store = Store(Backend.of(client, Settings()), Settings())
         for i in range(200):
             await store.publish("durable", [OutEvent("note", b'{"i":%d}' % i)],
                                 create_owner="alice")
@@ -192,9 +199,41 @@ async def test_an_acknowledged_event_survives_a_sigkill_of_the_embedded_server(
         server.process.wait()
         server.start()
         client = aioredis.from_url(server.url)
-        history = await Store(client, Settings()).read("durable", 0, 1000)
+        history = await Store(Backend.of(client, Settings()), Settings()).read("durable", 0, 1000)
         await client.aclose()
         assert history.meta is not None and history.meta.seq == 200
         assert [seq for seq, _ in history.frames] == list(range(1, 201))
     finally:
         server.stop()
+
+
+async def test_the_embedded_server_is_restarted_when_it_dies(
+        gateway_env: dict[str, str], tmp_path: Path, user: str, chat_id: str) -> None:
+    """`gateway serve` with no GATEWAY_REDIS_URL supervises its own server: SIGKILLed, it
+    comes back on the same data; the gateway is unready meanwhile, then ready again, and a
+    client resumes with every acknowledged event, once."""
+    env = {k: v for k, v in gateway_env.items() if k != "GATEWAY_REDIS_URL"}
+    env.update(GATEWAY_PORT=str(free_port()), GATEWAY_DATA_DIR=str(tmp_path),
+               GATEWAY_DEMO_AGENT="0")
+    gw = GatewayProcess(env).start()
+    try:
+        async with connect(gw.url(user)) as ws:
+            first = await ws.subscribe(chat_id)
+            await publish(gw, chat_id, *({"type": "note", "data": {"i": i}} for i in range(3)))
+            assert [f["seq"] for f in await ws.events(chat_id, 3)] == [1, 2, 3]
+            server = psutil.Process(gw.proc.pid).children()  # type: ignore[union-attr]
+            [valkey] = [p for p in server if "valkey" in p.name() or "redis" in p.name()]
+            valkey.kill()
+            async with httpx.AsyncClient(base_url=gw.http) as http, asyncio.timeout(20):
+                while (await http.get("/readyz")).status_code == 200:
+                    pass  # each probe is a real request
+                while (await http.get("/readyz")).status_code != 200:
+                    pass
+            await publish(gw, chat_id, {"type": "note", "data": {"i": 3}})
+        async with connect(gw.url(user)) as ws:
+            resumed = await ws.subscribe(chat_id, since={"epoch": first["epoch"], "seq": 3})
+            assert resumed["recovered"] is True and resumed["epoch"] == first["epoch"]
+            [after] = await ws.events(chat_id, 1)
+            assert after["seq"] == 4 and after["data"] == {"i": 3}
+    finally:
+        gw.stop()

@@ -359,5 +359,5 @@ async def test_health_endpoints(gateway: Any) -> None:
         health = await http.get("/healthz")
         assert health.status_code == 200 and health.json() == {"status": "ok"}
         ready = await http.get("/readyz")
-        assert ready.status_code == 200 and ready.json() == {"status": "ready", "redis": "ok",
-                                                              "pubsub": "ok"}
+        assert ready.status_code == 200 and ready.json() == {
+            "status": "ready", "dependencies": {"redis": "ok", "pubsub": "ok"}}

@@ -1,20 +1,20 @@
 -- Delete one conversation: tell its room and its owner's feed, then drop its keys.
 --
 -- KEYS[1] meta hash, KEYS[2] event stream, KEYS[3..] the text keys of its streams
--- ARGV[1] room channel, ARGV[2] feed channel prefix, ARGV[3] chat id
--- Returns the owner, or false when the conversation does not exist.
+-- ARGV[1] room channel, ARGV[2] chat id
+-- Returns {owner, the feed frame that announces the deletion}, or false when the
+-- conversation does not exist.
 
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return false end
 local now = now_ms()
-local chat = cjson.encode(ARGV[3])
+local chat = cjson.encode(ARGV[2])
 local epoch = redis.call('HGET', KEYS[1], 'epoch')
 local seq = redis.call('HGET', KEYS[1], 'seq')
 redis.call('DEL', unpack(KEYS))
-redis.call('PUBLISH', ARGV[1], '|||{"type":"deleted","chat_id":' .. chat ..
+redis.call('SPUBLISH', ARGV[1], '|||{"type":"deleted","chat_id":' .. chat ..
   ',"seq":null,"ts":' .. now .. ',"data":{"epoch":' .. cjson.encode(epoch) ..
   ',"last_seq":' .. seq .. '}}')
-redis.call('PUBLISH', ARGV[2] .. owner, '{"type":"conversation","chat_id":' .. chat ..
+return {owner, '{"type":"conversation","chat_id":' .. chat ..
   ',"title":null,"status":"idle","updated_at":' .. now .. ',"last_seq":' .. seq ..
-  ',"goal_state":null,"preview":null,"created":false,"deleted":true}')
-return owner
+  ',"goal_state":null,"preview":null,"created":false,"deleted":true}'}

@@ -34,13 +34,14 @@ local function save_meta(key, m)
   redis.call('HSET', key, unpack(flatten(m)))
 end
 
--- Tell the owner's devices (their conversation feed) about the conversation's state.
-local function announce(feed_prefix, chat, m, now, created)
-  redis.call('PUBLISH', feed_prefix .. m.owner,
-    '{"type":"conversation","chat_id":' .. cjson.encode(chat) ..
+-- The frame that tells the owner's devices (their conversation feed) about the
+-- conversation's state. The feed channel lives in the owner's slot, so the store publishes
+-- it after the script (a script may touch only its own slot).
+local function announce(chat, m, now, created)
+  return '{"type":"conversation","chat_id":' .. cjson.encode(chat) ..
     ',"title":' .. (m.title ~= '' and cjson.encode(m.title) or 'null') ..
     ',"status":"' .. m.status .. '","updated_at":' .. now .. ',"last_seq":' .. m.seq ..
     ',"goal_state":' .. (m.goal ~= '' and m.goal or 'null') ..
     ',"preview":' .. (m.preview ~= '' and cjson.encode(m.preview) or 'null') ..
-    ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}')
+    ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}'
 end

@@ -1,19 +1,19 @@
 -- Append a batch of events to one conversation, atomically, in one round trip.
 --
 -- KEYS[1] meta hash, KEYS[2] event stream
--- KEYS[3 .. 2+k] the text key of each streamed type, in ARGV[11]'s order
+-- KEYS[3 .. 2+k] the text key of each streamed type, in ARGV[10]'s order
 -- KEYS[3+k] idempotency key (optional)
--- ARGV[1] room channel        ARGV[2] feed channel prefix (the owner's id is appended)
--- ARGV[3] stream max length   ARGV[4] idempotency ttl (s)
--- ARGV[5] owner to create the conversation for when it does not exist ("" = must exist)
--- ARGV[6] a fresh unique name: the epoch of a newly created conversation, and the prefix of
+-- ARGV[1] room channel (a sharded channel in the conversation's slot)
+-- ARGV[2] stream max length   ARGV[3] idempotency ttl (s)
+-- ARGV[4] owner to create the conversation for when it does not exist ("" = must exist)
+-- ARGV[5] a fresh unique name: the epoch of a newly created conversation, and the prefix of
 --         the id of a stream this batch opens
--- ARGV[7] chat id             ARGV[8] number of events
--- ARGV[9] note: returned as is, and again on an idempotent retry (the message's turn id);
+-- ARGV[6] chat id             ARGV[7] number of events
+-- ARGV[8] note: returned as is, and again on an idempotent retry (the message's turn id);
 --         a cancel_requested sets it to the cancelled turn's id
--- ARGV[10] writer: the user who must own the conversation ("" = anyone, e.g. a service)
--- ARGV[11] streamed types, comma-separated (k of them)
--- ARGV[12] most bytes of text one stream may hold
+-- ARGV[9] writer: the user who must own the conversation ("" = anyone, e.g. a service)
+-- ARGV[10] streamed types, comma-separated (k of them)
+-- ARGV[11] most bytes of text one stream may hold
 -- then 4 per event: type, durable ("1"/"0"), data (JSON, or raw text for title), extra
 --
 -- Semantic types are completed here, where the conversation state lives:
@@ -36,21 +36,22 @@
 --
 -- Returns {"ok", epoch, seqs (one per event: comma list, "" for ephemeral), last_seq, owner,
 -- duplicate ("0"/"1"), now (ms), feed ("1" when the conversation-list entry changed), note,
--- created ("1"/"0")} or {"err", code, message}. Every durable event is stored as entry
--- "<seq>-0". Each frame is PUBLISHed as "<epoch>|<seq>|<stream id>:<pos>|<frame>", the
+-- created ("1"/"0"), the feed frame to announce ("" when none)} or {"err", code, message}.
+-- The feed lives in the owner's slot, not this one: the store publishes it after the
+-- script. Every durable event is stored as entry "<seq>-0". Each frame is SPUBLISHed as "<epoch>|<seq>|<stream id>:<pos>|<frame>", the
 -- parts that do not apply left empty (hub.py reads this envelope).
 
 local meta, stream = KEYS[1], KEYS[2]
-local channel, chat = ARGV[1], ARGV[7]
-local maxlen = tonumber(ARGV[3])
-local n = tonumber(ARGV[8])
-local note = ARGV[9]
-local max_text = tonumber(ARGV[12])
-local base = 13  -- ARGV index of the first event
+local channel, chat = ARGV[1], ARGV[6]
+local maxlen = tonumber(ARGV[2])
+local n = tonumber(ARGV[7])
+local note = ARGV[8]
+local max_text = tonumber(ARGV[11])
+local base = 12  -- ARGV index of the first event
 
 local text_key, commit_type, streamed_type = {}, {}, {}
 local k = 0
-for typ in string.gmatch(ARGV[11], '[^,]+') do
+for typ in string.gmatch(ARGV[10], '[^,]+') do
   k = k + 1
   text_key[typ] = KEYS[2 + k]
   local commit = typ == 'delta' and 'message' or string.sub(typ, 1, -7)
@@ -63,11 +64,11 @@ local now = now_ms()
 local m = load_meta(meta)
 local created = false
 if not m then
-  if ARGV[5] == '' then return {'err', 'not_found', 'conversation does not exist'} end
-  m = new_meta(ARGV[5], ARGV[6], now)
+  if ARGV[4] == '' then return {'err', 'not_found', 'conversation does not exist'} end
+  m = new_meta(ARGV[4], ARGV[5], now)
   created = true
 end
-if ARGV[10] ~= '' and ARGV[10] ~= m.owner then
+if ARGV[9] ~= '' and ARGV[9] ~= m.owner then
   return {'err', 'forbidden', 'conversation belongs to another user'}
 end
 
@@ -134,6 +135,7 @@ end
 local seq = tonumber(m.seq)
 local seqs = {}
 local feed = created
+local feed_frame = ''
 local changed = created  -- fields other than seq, updated_at and streams changed
 local touched = {}  -- stream fields to write back ("" = delete)
 local opened = 0
@@ -144,17 +146,17 @@ local function emit(typ, durable, data, stream_part)
     seq = seq + 1
     local frame = head .. ',"seq":' .. seq .. ',"ts":' .. now .. ',"data":' .. data .. '}'
     redis.call('XADD', stream, 'MAXLEN', '~', maxlen, seq .. '-0', 'f', frame)
-    redis.call('PUBLISH', channel, m.epoch .. '|' .. seq .. '||' .. frame)
+    redis.call('SPUBLISH', channel, m.epoch .. '|' .. seq .. '||' .. frame)
     return tostring(seq)
   end
   local frame
   if stream_part then
     frame = head .. ',"seq":null,"ts":' .. now .. ',"stream":{"id":' .. cjson.encode(stream_part[1]) ..
             ',"pos":' .. stream_part[2] .. '},"data":' .. data .. '}'
-    redis.call('PUBLISH', channel, '||' .. stream_part[1] .. ':' .. stream_part[2] .. '|' .. frame)
+    redis.call('SPUBLISH', channel, '||' .. stream_part[1] .. ':' .. stream_part[2] .. '|' .. frame)
   else
     frame = head .. ',"seq":null,"ts":' .. now .. ',"data":' .. data .. '}'
-    redis.call('PUBLISH', channel, '|||' .. frame)
+    redis.call('SPUBLISH', channel, '|||' .. frame)
   end
   return ''
 end
@@ -221,7 +223,7 @@ for i = 0, n - 1 do
     end
     if not s then
       opened = opened + 1
-      s = {id = 's' .. ARGV[6] .. '.' .. opened, turn = m.turn_id, pos = 0, attempt = extra}
+      s = {id = 's' .. ARGV[5] .. '.' .. opened, turn = m.turn_id, pos = 0, attempt = extra}
     end
     redis.call('APPEND', text_key[typ], delta_text(data))
     stream_part = {s.id, s.pos}
@@ -261,12 +263,13 @@ for field, value in pairs(touched) do
 end
 
 if feed then
-  announce(ARGV[2], chat, m, now, created)
+  feed_frame = announce(chat, m, now, created)
 end
 
 local result = {'ok', m.epoch, table.concat(seqs, ','), tostring(seq), m.owner, '0',
                 tostring(now), feed and '1' or '0', note, created and '1' or '0'}
 if idem then
-  redis.call('SET', idem, cjson.encode(result), 'EX', tonumber(ARGV[4]))
+  redis.call('SET', idem, cjson.encode(result), 'EX', tonumber(ARGV[3]))
 end
+result[#result + 1] = feed_frame
 return result

@@ -3,14 +3,15 @@
 -- chat creates it).
 --
 -- KEYS[1] meta hash, KEYS[2] event stream, KEYS[3 .. 2+k] the text key of each streamed
--- type, in ARGV[7]'s order
+-- type, in ARGV[6]'s order
 -- ARGV[1] seq to read after ("" = the state only), ARGV[2] most frames to return
 -- ARGV[3] owner to create the conversation for when it does not exist ("" = do not)
--- ARGV[4] epoch for a new conversation, ARGV[5] chat id, ARGV[6] feed channel prefix
--- ARGV[7] streamed types, comma-separated
+-- ARGV[4] epoch for a new conversation, ARGV[5] chat id, ARGV[6] streamed types,
+-- comma-separated
 --
 -- Returns {meta (flat, empty when it does not exist), entries (XRANGE), created (0/1),
--- streams (flat: type, "<id> <turn id> <pos> <attempt>", text, ...)}.
+-- streams (flat: type, "<id> <turn id> <pos> <attempt>", text, ...)}; when created, a
+-- fifth element: the feed frame that announces it.
 
 local m = load_meta(KEYS[1])
 if not m then
@@ -18,12 +19,11 @@ if not m then
   local now = now_ms()
   m = new_meta(ARGV[3], ARGV[4], now)
   save_meta(KEYS[1], m)
-  announce(ARGV[6], ARGV[5], m, now, true)
-  return {flatten(m), {}, 1, {}}
+  return {flatten(m), {}, 1, {}, announce(ARGV[5], m, now, true)}
 end
 local streams = {}
 local k = 0
-for typ in string.gmatch(ARGV[7], '[^,]+') do
+for typ in string.gmatch(ARGV[6], '[^,]+') do
   k = k + 1
   local header = m['st:' .. typ]
   if header and header ~= '' then

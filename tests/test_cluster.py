@@ -1,0 +1,314 @@
+"""The gateway on a real Redis Cluster (3 primaries, 3 replicas), with two gateways.
+
+The gateway is given one node's URL and nothing else; it finds the cluster by itself.
+Faults (a failover, a primary SIGKILLed, a slot migrated) happen under continuous
+publishing, and every acknowledged event must reach a live subscriber once and in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from gateway.store import room_channel
+
+from .cluster import ValkeyCluster
+from .conftest import GatewayProcess, free_port
+from .publishing import publish
+from .wsclient import Frame, connect
+
+pytestmark = pytest.mark.anyio
+
+
+def start_gateways(env: dict[str, str], cluster: ValkeyCluster, count: int = 2,
+                   **settings: Any) -> list[GatewayProcess]:
+    """``count`` gateways, each pointed at a different node of ``cluster``."""
+    gateways = []
+    for i in range(count):
+        node = cluster.nodes[i % len(cluster.nodes)]
+        process_env = dict(env, GATEWAY_REDIS_URL=node.url, GATEWAY_PORT=str(free_port()))
+        process_env.update({f"GATEWAY_{k.upper()}": str(v) for k, v in settings.items()})
+        gateways.append(GatewayProcess(process_env).start())
+    return gateways
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
+    with ValkeyCluster(tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def pair(cluster: ValkeyCluster, gateway_env: dict[str, str]) -> Iterator[list[GatewayProcess]]:
+    gateways = start_gateways(gateway_env, cluster)
+    yield gateways
+    for gw in gateways:
+        gw.stop()
+
+
+def chats_on_every_shard(cluster: ValkeyCluster, per_shard: int = 2) -> dict[int, list[str]]:
+    """Chat ids whose slots are spread so that each primary owns ``per_shard`` of them."""
+    found: dict[int, list[str]] = {}
+    primaries = len(cluster.nodes_by_role("master"))
+    while sum(len(v) for v in found.values()) < per_shard * primaries:
+        chat = "c-" + uuid.uuid4().hex[:10]
+        port = cluster.primary_of(room_channel(chat)).port
+        if len(found.setdefault(port, [])) < per_shard:
+            found[port].append(chat)
+    return found
+
+
+async def test_core_paths_on_the_cluster(pair: list[GatewayProcess]) -> None:
+    """Subscribe on one gateway, publish through the other, resume, list, delete."""
+    a, b = pair
+    user, chat = "u" + uuid.uuid4().hex[:8], "c-" + uuid.uuid4().hex[:10]
+    async with connect(a.url(user)) as ws:
+        first = await ws.subscribe(chat)
+        await ws.send({"type": "message", "chat_id": chat, "text": "hi", "client_msg_id": "m1"})
+        assert [f["type"] for f in await ws.events(chat, 2)] == ["user_message", "turn_start"]
+        await publish(b, chat, {"type": "turn_end", "data": {"reason": "complete"}},
+                      {"type": "title", "data": {"title": "Cluster"}})
+        assert [f["type"] for f in await ws.events(chat, 2)] == ["turn_end", "title"]
+        conversation = await ws.wait_for(lambda f: f["type"] == "conversation"
+                                         and f.get("title") == "Cluster")
+        assert conversation["chat_id"] == chat
+    async with connect(b.url(user)) as ws:
+        resumed = await ws.subscribe(chat, since={"epoch": first["epoch"], "seq": 2})
+        assert resumed["recovered"] is True
+        assert [f["seq"] for f in await ws.events(chat, 2)] == [3, 4]
+    async with httpx.AsyncClient(base_url=b.http, headers=b.headers(user)) as http:
+        listed = (await http.get("/v1/conversations")).json()
+        assert [c["chat_id"] for c in listed["conversations"]] == [chat]
+        assert (await http.delete(f"/v1/conversations/{chat}")).status_code in (200, 204)
+        assert (await http.get(f"/v1/conversations/{chat}")).status_code == 404
+
+
+async def test_chats_on_every_shard_reach_both_gateways(
+        pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
+    """Each room's traffic stays on its own shard: its channel is subscribed on the primary
+    that owns its slot and on no other node."""
+    a, b = pair
+    shards = chats_on_every_shard(cluster)
+    chats = [c for group in shards.values() for c in group]
+    async with connect(a.url("spread")) as on_a, connect(b.url("spread")) as on_b:
+        for ws in (on_a, on_b):
+            for chat in chats:
+                await ws.subscribe(chat)
+        for chat in chats:
+            await publish(a if hash(chat) % 2 else b, chat, {"type": "note", "data": {"c": chat}})
+        for ws in (on_a, on_b):
+            got = [await ws.recv() for _ in chats]
+            assert sorted(f["chat_id"] for f in got) == sorted(chats)
+        for port, group in shards.items():
+            for node in cluster.nodes_by_role("master"):
+                with node.client() as client:
+                    counts = client.pubsub_shardnumsub(*(room_channel(c) for c in group))
+                subscribed = [int(n) for _, n in counts]
+                assert subscribed == [2 if node.port == port else 0] * len(group), node.port
+
+
+class Load:
+    """Publishes numbered events to ``chats`` through one gateway (each with an idempotency
+    key, retried until acknowledged) while subscribers on the other gateway collect them."""
+
+    def __init__(self, publisher: GatewayProcess, chats: list[str]) -> None:
+        self.publisher = publisher
+        self.chats = chats
+        self.acked: dict[str, list[int]] = {c: [] for c in chats}
+        self.seen: dict[str, list[int]] = {c: [] for c in chats}
+        self.resyncs = 0
+        self.running = True
+
+    async def publish_until_stopped(self, chat: str) -> None:
+        n = 0
+        async with httpx.AsyncClient(base_url=self.publisher.http, timeout=5,
+                                     headers=self.publisher.headers("agent", "service")) as http:
+            while self.running:
+                n += 1
+                body = {"events": [{"type": "note", "data": {"n": n}}],
+                        "idempotency_key": f"{chat}-{n}"}
+                while True:  # the same key until acknowledged: a retry is never a duplicate
+                    with contextlib.suppress(httpx.HTTPError):
+                        resp = await http.post(f"/v1/conversations/{chat}/events", json=body)
+                        if resp.status_code == 200:
+                            self.acked[chat].append(n)
+                            break
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.01)
+
+    async def subscribe(self, gw: GatewayProcess, ready: asyncio.Event) -> None:
+        """Follow every chat; on a dropped connection, resume from the last seq seen."""
+        since: dict[str, Frame] = {}
+        while True:
+            try:
+                async with connect(gw.url("loader")) as ws:
+                    for chat in self.chats:
+                        reply = await ws.subscribe(chat, since=since.get(chat))
+                        self._on_subscribed(reply, since)
+                    ready.set()
+                    while True:
+                        frame = await ws.recv(timeout=3600)
+                        if frame["type"] == "subscribed":  # unasked: history was lost
+                            self._on_subscribed(frame, since)
+                        elif frame.get("seq") is not None and frame["type"] == "note":
+                            chat = frame["chat_id"]
+                            self.seen[chat].append(frame["data"]["n"])
+                            since[chat] = {"epoch": since[chat]["epoch"], "seq": frame["seq"]}
+            except (ConnectionClosed, OSError):
+                await asyncio.sleep(0.1)
+
+    def _on_subscribed(self, reply: Frame, since: dict[str, Frame]) -> None:
+        if reply.get("recovered") is False:
+            self.resyncs += 1
+        since[reply["chat_id"]] = {"epoch": reply["epoch"], "seq": reply["seq"]}
+
+    async def all_delivered(self, timeout: float = 15) -> None:
+        await wait_until(lambda: all(self.seen[c][-len(a):] == a
+                                     for c, a in self.acked.items() if a), timeout)
+
+    def check(self) -> None:
+        for chat in self.chats:
+            assert self.acked[chat], f"nothing acknowledged on {chat}"
+            # Once each, in order, no gap: exactly the acknowledged numbers.
+            assert self.seen[chat] == self.acked[chat], chat
+        assert self.resyncs == 0
+
+
+@contextlib.asynccontextmanager
+async def running(load: Load, subscriber: GatewayProcess) -> AsyncIterator[Load]:
+    ready = asyncio.Event()
+    tasks = [asyncio.create_task(load.subscribe(subscriber, ready))]
+    await asyncio.wait_for(ready.wait(), 10)
+    tasks += [asyncio.create_task(load.publish_until_stopped(c)) for c in load.chats]
+    try:
+        yield load
+        load.running = False
+        await asyncio.wait(tasks[1:], timeout=15)
+        await load.all_delivered()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_until(check: Any, timeout: float = 15) -> None:
+    """Poll ``check`` (the state of other processes: no event to wait on) until true."""
+    async with asyncio.timeout(timeout):
+        while not check():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def test_a_failover_under_load_loses_nothing(
+        pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
+    """``CLUSTER FAILOVER`` (a planned switch) on the shard of a live chat."""
+    a, b = pair
+    chats = [c for group in chats_on_every_shard(cluster, 1).values() for c in group]
+    load = Load(a, chats)
+    async with running(load, b):
+        await wait_until(lambda: all(len(v) >= 5 for v in load.seen.values()))
+        primary = cluster.primary_of(room_channel(chats[0]))
+        replica = cluster.replica_of(primary)
+        with replica.client() as client:
+            client.execute_command("CLUSTER FAILOVER")
+        await wait_until(lambda: replica.role() == "master")
+        counted = {c: len(v) for c, v in load.acked.items()}
+        await wait_until(lambda: all(len(load.acked[c]) > counted[c] + 5 for c in chats))
+    load.check()
+    cluster.wait_ok()
+
+
+async def test_a_slot_migrated_while_a_chat_is_live(
+        pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
+    """The chat's slot moves to another primary; its keys go with it (MIGRATE)."""
+    a, b = pair
+    chat = "c-" + uuid.uuid4().hex[:10]
+    load = Load(a, [chat])
+    async with running(load, b):
+        await wait_until(lambda: len(load.seen[chat]) >= 5)
+        source = cluster.primary_of(room_channel(chat))
+        target = next(n for n in cluster.nodes_by_role("master") if n is not source)
+        migrate_slot(source, target, room_channel(chat))
+        assert cluster.primary_of(room_channel(chat)) is target
+        counted = len(load.acked[chat])
+        await wait_until(lambda: len(load.acked[chat]) > counted + 10)
+    load.check()
+
+
+def migrate_slot(source: Any, target: Any, key: str) -> None:
+    """The standard slot migration, step by step, as an operator's tool runs it."""
+    with source.client() as src, target.client() as dst:
+        slot = int(src.execute_command("CLUSTER KEYSLOT", key))
+        source_id, target_id = source.node_id(), target.node_id()
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", source_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", target_id)
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000,
+                                "REPLACE", "KEYS", *keys)
+        dst.execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
+
+
+async def test_a_primary_sigkilled_under_load(
+        gateway_env: dict[str, str], tmp_path: Path) -> None:
+    """A primary dies without warning. With ``GATEWAY_WAIT_REPLICAS=1`` an acknowledged
+    event is on a replica, so the promoted replica has it: nothing acknowledged is lost."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        gateways = start_gateways(gateway_env, cluster, wait_replicas=1, wait_timeout_ms=500)
+        try:
+            a, b = gateways
+            chats = [c for group in chats_on_every_shard(cluster, 1).values() for c in group]
+            load = Load(a, chats)
+            async with running(load, b):
+                await wait_until(lambda: all(len(v) >= 5 for v in load.seen.values()))
+                victim = cluster.primary_of(room_channel(chats[0]))
+                replica = cluster.replica_of(victim)
+                victim.kill(signal.SIGKILL)
+                await wait_until(lambda: replica.role() == "master", timeout=20)
+                # Back as the new primary's replica: WAIT 1 can be met on that shard again.
+                victim.start()
+                counted = {c: len(v) for c, v in load.acked.items()}
+                await wait_until(lambda: all(len(load.acked[c]) > counted[c] + 5
+                                             for c in chats), timeout=20)
+            load.check()
+        finally:
+            for gw in gateways:
+                gw.stop()
+
+
+async def test_a_failover_to_a_replica_that_lagged_forks_nothing(
+        pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
+    """History that goes backwards under the same epoch (a replica promoted before it had
+    the last writes) is never silent: live subscribers get ``recovered: false``."""
+    a, b = pair
+    chat = "c-" + uuid.uuid4().hex[:10]
+    async with connect(b.url("lag")) as ws:
+        first = await ws.subscribe(chat)
+        await publish(a, chat, *({"type": "note", "data": {"i": i}} for i in range(3)))
+        assert [f["seq"] for f in await ws.events(chat, 3)] == [1, 2, 3]
+        # What a lagging replica looks like once promoted: the same epoch, fewer events.
+        primary = cluster.primary_of(room_channel(chat))
+        with primary.client() as client:
+            stream = f"c:{{{chat}}}:stream"
+            [(entry_id, fields)] = client.xrange(stream, count=1)
+            client.delete(stream)
+            client.xadd(stream, fields, id=entry_id)
+            client.hset(f"c:{{{chat}}}:meta", "seq", 1)
+        replica = cluster.replica_of(primary)
+        with replica.client() as client:
+            client.execute_command("CLUSTER FAILOVER")
+        await wait_until(lambda: replica.role() == "master")
+        told = await ws.wait_for(lambda f: f["type"] == "subscribed", timeout=15)
+        assert told["recovered"] is False and told["epoch"] != first["epoch"]
+        await publish(a, chat, {"type": "note", "data": {"i": 9}})
+        after = await ws.events(chat, 1)
+        assert after[0]["data"] == {"i": 9}
+    cluster.wait_ok()
