@@ -15,7 +15,8 @@ its commands may or may not have been applied, so their callers get the error (a
 with an idempotency key is safe to retry).
 
 Durable writes can wait for replicas (``GATEWAY_WAIT_REPLICAS``): a batch that holds one
-ends with a single ``WAIT`` on the same connection, which covers every write before it.
+ends with a single ``WAIT`` on the same connection, which covers every write before it, and
+each durable caller gets the number of replicas that confirmed along with its reply.
 
 Replies are raw (RESP as hiredis parses it): callers convert what they need.
 """
@@ -37,7 +38,6 @@ from redis.exceptions import (
 )
 
 from .backend import Backend, Node
-from .errors import Rejected
 
 MAX_REDIRECTS = 5  # per command: a slot that keeps moving is a cluster in trouble
 
@@ -84,13 +84,20 @@ class AutoPipeline:
         """One command, routed by its first argument's key; its raw reply."""
         return await self._enqueue(_Call(args, None, False, self._future()))
 
-    async def evalsha(self, script: Script, keys: list[Any], args: list[Any], *,
-                      durable: bool = False) -> Any:
-        """A script (its keys must share a slot); ``durable``: a write that the caller
-        acknowledges, so it waits for ``GATEWAY_WAIT_REPLICAS`` replicas first."""
-        call = _Call(("EVALSHA", script.sha, len(keys), *keys, *args), script, durable,
+    async def evalsha(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
+        """A script (its keys must share a slot); its raw reply."""
+        call = _Call(("EVALSHA", script.sha, len(keys), *keys, *args), script, False,
                      self._future())
         return await self._enqueue(call)
+
+    async def evalsha_durable(self, script: Script, keys: list[Any], args: list[Any]
+                              ) -> tuple[Any, int | None]:
+        """A script that writes what the caller will acknowledge: its reply, and how many
+        replicas confirmed it (None when ``GATEWAY_WAIT_REPLICAS`` is 0)."""
+        call = _Call(("EVALSHA", script.sha, len(keys), *keys, *args), script, True,
+                     self._future())
+        reply, replicas = await self._enqueue(call)
+        return reply, replicas
 
     def _future(self) -> asyncio.Future[Any]:
         if self._loop is None:
@@ -136,21 +143,20 @@ class AutoPipeline:
             if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
                 await self._backend.refresh()  # the node may have failed over
             return
-        if durable:
-            acked = replies.pop()
-            if isinstance(acked, int) and acked < self._wait[0]:
-                error = _not_replicated(acked, self._wait)
-                replies = [error if call.durable and not isinstance(reply, Exception)
-                           else reply for call, reply in zip(calls, replies, strict=True)]
+        acked = replies.pop() if durable else None
         for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, NoScriptError):  # a restart, SCRIPT FLUSH, a new primary
                 reply = await self._alone(node, call)
+                if not isinstance(reply, Exception):
+                    _settle(call, reply)  # complete: (reply, replicas) when durable
+                    continue
             if isinstance(reply, (AskError, TryAgainError, ClusterDownError)) \
                     and call.redirects < MAX_REDIRECTS:
                 call.redirects += 1
                 await self._redirect(call, reply)
                 continue
-            _settle(call, reply)
+            _settle(call, (reply, acked) if call.durable and not isinstance(reply, Exception)
+                    else reply)
 
     async def _alone(self, node: Node, call: _Call, before: tuple[Any, ...] = ()) -> Any:
         """Run one call on its own (after ``before``, e.g. ``ASKING``), with the source of
@@ -159,18 +165,17 @@ class AutoPipeline:
         if call.script is not None:
             args = ("EVAL", call.script.source, *args[2:])
         commands = [before, args] if before else [args]
-        if call.durable and self._wait[0] > 0:
+        waits = call.durable and self._wait[0] > 0
+        if waits:
             commands.append(("WAIT", *self._wait))
         try:
             replies = await _round_trip(node, commands)
         except Exception as exc:
             return exc
         reply = replies[1 if before else 0]
-        acked = replies[-1]
-        if len(commands) > (2 if before else 1) and isinstance(acked, int) \
-                and acked < self._wait[0] and not isinstance(reply, Exception):
-            return _not_replicated(acked, self._wait)
-        return reply
+        if not call.durable or isinstance(reply, Exception):
+            return reply
+        return reply, replies[-1] if waits else None
 
     async def _redirect(self, call: _Call, error: Exception) -> None:
         """The command was refused unapplied: send it where the slot is now."""
@@ -184,12 +189,6 @@ class AutoPipeline:
             await asyncio.sleep(0.05 * call.redirects)
             await self._backend.refresh()
         self._enqueue(call)
-
-
-def _not_replicated(acked: int, wait: tuple[int, int]) -> Rejected:
-    return Rejected("replication_timeout",
-                    f"written, but {acked} of {wait[0]} replicas confirmed within {wait[1]} ms; "
-                    "retry with the same idempotency key")
 
 
 def _settle(call: _Call, reply: Any) -> None:

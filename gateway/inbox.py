@@ -158,8 +158,7 @@ class Inbox:
         ``grace`` seconds if nobody has."""
         due = _now_ms() + int(self.grace * 1000)
         await self.store.pipeline.evalsha(
-            _STAGE, [self.partition(handoff.chat_id).outbox], [due, handoff.member],
-            durable=True)
+            _STAGE, [self.partition(handoff.chat_id).outbox], [due, handoff.member])
 
     async def hand_off(self, handoff: Handoff, seq: int, started_at: int,
                        deadline_ms: int) -> bool:

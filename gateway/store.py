@@ -222,11 +222,12 @@ class Store:
         ]
         for event in events:
             args += [event.type, "1" if event.durable else "0", event.data, event.extra]
-        reply = await self.pipeline.evalsha(self._publish, keys, args, durable=True)
+        reply, replicas = await self.pipeline.evalsha_durable(self._publish, keys, args)
         status = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
         fields = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
         if status == "err":
             raise Rejected(fields[1], fields[2])
+        self._check_replicated(replicas)
         result = Published(
             epoch=fields[1],
             seqs=[int(s) if s else None for s in fields[2].split(",")] if events else [],
@@ -240,6 +241,15 @@ class Store:
         if fields[7] == "1" and not result.duplicate:
             await self._list_changed(result.owner, result.ts, chat_id, reply[10])
         return result
+
+    def _check_replicated(self, replicas: int | None) -> None:
+        """Acknowledged means as durable as configured: so many replicas have it."""
+        wanted = self.settings.wait_replicas
+        if replicas is not None and replicas < wanted:
+            raise Rejected("replication_timeout",
+                           f"stored, but {replicas} of {wanted} replicas confirmed within "
+                           f"{self.settings.wait_timeout_ms} ms; retry with the same "
+                           "idempotency key")
 
     async def _list_changed(self, owner: str, ts: int, chat_id: str, feed: bytes) -> None:
         """The conversation list and the owner's feed live in the owner's slot, not the
@@ -274,10 +284,11 @@ class Store:
 
     async def delete(self, chat_id: str) -> str | None:
         """Delete a conversation; returns its former owner, or None if it did not exist."""
-        reply = await self.pipeline.evalsha(
-            self._delete, self._keys(chat_id), [room_channel(chat_id), chat_id], durable=True)
+        reply, replicas = await self.pipeline.evalsha_durable(
+            self._delete, self._keys(chat_id), [room_channel(chat_id), chat_id])
         if not reply:
             return None
+        self._check_replicated(replicas)
         owner, feed = reply[0].decode(), reply[1]
         await asyncio.gather(self.pipeline.execute("ZREM", index_key(owner), chat_id),
                              self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))

@@ -269,3 +269,25 @@ async def test_a_cached_token_is_refused_once_it_expires(gateway: Any, user: str
     # A fresh token for the same user works, so what was refused was the token alone.
     async with connect(gateway.url(user)) as ws:
         assert (await ws.subscribe(chat_id))["chat_id"] == chat_id
+
+
+async def test_a_publish_not_replicated_in_time_is_not_acknowledged(
+        start_gateway: Any, redis_url: str, chat_id: str) -> None:
+    """GATEWAY_WAIT_REPLICAS=1 on a server with no replica: the write happens, but the reply
+    says it was not confirmed by a replica; a retry with the same key stores nothing twice."""
+    gw = start_gateway(wait_replicas=1, wait_timeout_ms=50)
+    async with connect(gw.url("owner")) as ws:
+        await ws.subscribe(chat_id)  # creates it
+    body = {"events": [{"type": "note", "data": {"n": 1}}], "idempotency_key": "w-" + chat_id}
+    async with httpx.AsyncClient(base_url=gw.http, headers=gw.headers("agent", "service")) as http:
+        for _ in range(2):
+            resp = await http.post(f"/v1/conversations/{chat_id}/events", json=body)
+            assert resp.status_code == 503, resp.text
+            error = resp.json()["error"]
+            assert error["code"] == "replication_timeout"
+            assert "stored, but 0 of 1 replicas" in error["message"]
+    client = aioredis.from_url(redis_url)
+    try:
+        assert await client.xlen(stream_key(chat_id)) == 1
+    finally:
+        await client.aclose()
