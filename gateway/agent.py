@@ -56,7 +56,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
@@ -726,8 +725,9 @@ def load_handler(spec: str) -> Handler:
 
 async def serve(handler: Handler, redis_url: str, settings: Settings, **options: Any) -> int:
     """Run a worker until SIGTERM/SIGINT (``gateway agent``); returns the exit status."""
-    client = aioredis.from_url(redis_url, decode_responses=False, health_check_interval=30)
-    worker = AgentWorker(client, settings, handler, **options)
+    # A single server or any node of a cluster, with the gateway's timeouts.
+    backend = await Backend.connect(msgspec.structs.replace(settings, redis_url=redis_url))
+    worker = AgentWorker(backend.client, settings, handler, **options)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
@@ -738,5 +738,5 @@ async def serve(handler: Handler, redis_url: str, settings: Settings, **options:
         await worker.run()
     finally:
         await worker.stop()
-        await client.aclose()
+        await backend.aclose()
     return 1 if worker.error is not None else 0

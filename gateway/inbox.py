@@ -39,6 +39,7 @@ from redis.crc import key_slot
 
 from .autopipeline import Script
 from .config import Settings
+from .errors import Rejected
 from .store import Store
 
 log = logging.getLogger("gateway.inbox")
@@ -122,9 +123,9 @@ class Handoff(msgspec.Struct, frozen=True):
 
 _encode = msgspec.json.encode
 _decode_handoff = msgspec.json.Decoder(Handoff).decode
-# Durable: were the outbox entry lost to a failover, a gateway dying before its hand-off
-# would lose the turn. (The hand-off need not be: lost to a failover, it takes the outbox
-# entry's removal with it, so the sweeper does it again.)
+# Durable (GATEWAY_WAIT_REPLICAS): were the outbox entry lost to a failover, a gateway
+# dying before its hand-off would lose the turn. The hand-off need not be: lost to a
+# failover, it takes the outbox entry's removal with it, so the sweeper does it again.
 _STAGE = Script("return redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])")
 
 
@@ -157,8 +158,12 @@ class Inbox:
         """Record a hand-off before the message's publish; a sweeper may do it after
         ``grace`` seconds if nobody has."""
         due = _now_ms() + int(self.grace * 1000)
-        await self.store.pipeline.evalsha(
+        _, replicas = await self.store.pipeline.evalsha_durable(
             _STAGE, [self.partition(handoff.chat_id).outbox], [due, handoff.member])
+        wanted = self.settings.wait_replicas
+        if replicas is not None and replicas < wanted:  # nothing published yet: retry
+            raise Rejected("replication_timeout",
+                           f"the message's hand-off reached {replicas} of {wanted} replicas")
 
     async def hand_off(self, handoff: Handoff, seq: int, started_at: int,
                        deadline_ms: int) -> bool:

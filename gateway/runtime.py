@@ -67,6 +67,9 @@ class Gateway:
         self.hub = Hub(self.backend, self.store, on_unavailable=self._backend_unavailable)
         self.conversations = Conversations(self.store, self.settings)
         await self.hub.start()
+        moved = await self.store.migrate_lists()
+        if moved:
+            log.info("moved %d conversation lists to the per-user key layout", moved)
         self._sweeper = asyncio.create_task(self.conversations.run_turn_sweeper())
         if self.settings.demo_agent:
             from .agent import stable_consumer

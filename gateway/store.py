@@ -185,7 +185,7 @@ class Store:
         self.redis = backend.client
         self.settings = settings
         # The hot paths (publish, read, state) go through the auto-pipeline; the rare ones
-        # (lists, the agent inbox) use the client directly.
+        # (conversation lists) use the client directly, which routes by key itself.
         self.pipeline = AutoPipeline(backend)
         self._new_epoch = Epochs()
         self._publish = Script(_script("publish.lua"))
@@ -293,6 +293,21 @@ class Store:
         await asyncio.gather(self.pipeline.execute("ZREM", index_key(owner), chat_id),
                              self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
         return str(owner)
+
+    async def migrate_lists(self) -> int:
+        """Move conversation lists kept under the layout before per-user hash tags
+        (``convs:<user>``) to ``{u:<user>}:convs``; returns how many moved. Only a single
+        server can hold the old layout (it could not run on a cluster)."""
+        if self.backend.cluster:
+            return 0
+        moved = 0
+        async for key in self.redis.scan_iter(match="convs:*", count=1000):
+            user = key[len(b"convs:"):].decode()
+            await self.redis.zunionstore(index_key(user), [index_key(user), key],
+                                         aggregate="MAX")
+            await self.redis.delete(key)
+            moved += 1
+        return moved
 
     async def conversations(
         self, user_id: str, before: int | None, limit: int

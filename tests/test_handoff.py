@@ -28,6 +28,7 @@ from gateway.backend import Backend
 from gateway.config import Settings
 from gateway.conversations import Conversations
 from gateway.embedded import EmbeddedRedis
+from gateway.errors import Rejected
 from gateway.inbox import Handoff, inbox_partition, partitions
 from gateway.store import Store
 
@@ -190,6 +191,23 @@ async def test_a_publisher_late_for_its_hand_off_finds_it_done(
         assert frames[-1]["data"]["turn_id"] == ack.turn_id
         assert await inbox_entries(convs, chat_id, ack.turn_id) == 1
     assert [t.turn_id for t in turns] == [ack.turn_id]
+
+
+async def test_a_hand_off_not_replicated_in_time_refuses_the_message_unpublished(
+    redis_url: str, user: str, chat_id: str
+) -> None:
+    """GATEWAY_WAIT_REPLICAS=1 on a server with no replica: the outbox entry is not safe, so
+    the message is refused before its publish (a retry is safe) and nothing is stored."""
+    client = aioredis.from_url(redis_url)
+    settings = Settings(redis_url=redis_url, wait_replicas=1, wait_timeout_ms=50)
+    convs = Conversations(Store(Backend.of(client, settings), settings), settings)
+    try:
+        with pytest.raises(Rejected) as refused:
+            await message(convs, user, chat_id, "hello")
+        assert refused.value.code == "replication_timeout"
+        assert await convs.store.meta(chat_id) is None
+    finally:
+        await client.aclose()
 
 
 async def test_a_hand_off_whose_publish_never_happened_is_dropped(

@@ -237,3 +237,19 @@ async def test_the_embedded_server_is_restarted_when_it_dies(
             assert after["seq"] == 4 and after["data"] == {"i": 3}
     finally:
         gw.stop()
+
+
+async def test_conversation_lists_of_the_old_key_layout_are_moved(
+        private: tuple[EmbeddedRedis, Any], user: str) -> None:
+    """Lists written before per-user hash tags (``convs:<user>``) are still listed after an
+    upgrade: a restarted gateway moves them to the new key."""
+    server, gw = private
+    client = redis.Redis.from_url(server.url)
+    try:
+        client.zadd(f"convs:{user}", {"old-chat": 1000})
+        gw.stop()
+        gw.start()
+        assert not client.exists(f"convs:{user}")
+        assert client.zrange(f"{{u:{user}}}:convs", 0, -1) == [b"old-chat"]
+    finally:
+        client.close()
