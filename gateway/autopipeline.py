@@ -96,8 +96,8 @@ class AutoPipeline:
         replicas confirmed it (None when ``GATEWAY_WAIT_REPLICAS`` is 0)."""
         call = _Call(("EVALSHA", script.sha, len(keys), *keys, *args), script, True,
                      self._future())
-        reply, replicas = await self._enqueue(call)
-        return reply, replicas
+        result: tuple[Any, int | None] = await self._enqueue(call)
+        return result
 
     def _future(self) -> asyncio.Future[Any]:
         if self._loop is None:

@@ -220,7 +220,7 @@ class Hub:
         self._subscribing: dict[bytes, None] = {}
         self._unsubscribing: dict[bytes, None] = {}
         self._flush_scheduled = False
-        self._rerouting = False
+        self._rerouting = 0  # reroutes under way (each reader's loss may start one)
         self._down_since: float | None = None
         self._up = asyncio.Event()  # set once every reader has connected
         self._reads_started = 0
@@ -423,9 +423,6 @@ class Hub:
 
     # --- what the readers report (pubsub.Listener) ------------------------------------
 
-    def on_message(self, channel: bytes, data: bytes) -> None:
-        self._dispatch(channel, data)
-
     def on_subscribed(self, reader: ShardReader, channel: bytes) -> None:
         if self._owner.get(channel) is not reader:
             return  # a stale confirmation from a node the channel has left
@@ -477,7 +474,7 @@ class Hub:
 
     async def _reroute(self, refresh: bool = False, moved: AskError | None = None) -> None:
         """Move every channel whose slot another node owns now; drop readers left idle."""
-        self._rerouting = True
+        self._rerouting += 1
         try:
             if moved is not None:
                 await self._backend.moved(moved)
@@ -502,9 +499,9 @@ class Hub:
         except (RedisError, OSError) as exc:
             log.warning("rerouting subscriptions: %s", exc)
         finally:
-            self._rerouting = False
+            self._rerouting -= 1
 
-    def _dispatch(self, channel: bytes, data: bytes) -> None:
+    def on_message(self, channel: bytes, data: bytes) -> None:
         room = self._rooms_by_channel.get(channel)
         if room is not None:
             self._on_room_message(room, data)

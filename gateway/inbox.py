@@ -39,7 +39,6 @@ from redis.crc import key_slot
 
 from .autopipeline import Script
 from .config import Settings
-from .errors import Rejected
 from .store import Store
 
 log = logging.getLogger("gateway.inbox")
@@ -160,10 +159,7 @@ class Inbox:
         due = _now_ms() + int(self.grace * 1000)
         _, replicas = await self.store.pipeline.evalsha_durable(
             _STAGE, [self.partition(handoff.chat_id).outbox], [due, handoff.member])
-        wanted = self.settings.wait_replicas
-        if replicas is not None and replicas < wanted:  # nothing published yet: retry
-            raise Rejected("replication_timeout",
-                           f"the message's hand-off reached {replicas} of {wanted} replicas")
+        self.store.check_replicated(replicas)  # refused: nothing was published yet
 
     async def hand_off(self, handoff: Handoff, seq: int, started_at: int,
                        deadline_ms: int) -> bool:

@@ -91,8 +91,8 @@ class ShardReader:
 
     def _send(self, command: str, channels: list[bytes]) -> None:
         """One command per slot (a cluster refuses channels of several slots in one), all
-        in one write. Commands leave in the order asked: the write happens before the
-        first suspension of the send."""
+        in one write. Commands leave in the order asked: each write task writes at its first
+        step (the connection has no send timeout to wrap it), and tasks start in order."""
         if not channels or not self.connected:
             return  # the next connect subscribes to everything wanted
         by_slot: dict[int, list[bytes]] = {}

@@ -17,7 +17,7 @@ from starlette.requests import HTTPConnection
 
 from .agent import AgentWorker
 from .auth import AuthError, Principal, TokenCache, bearer
-from .backend import Backend, Client
+from .backend import Backend
 from .closecodes import BACKEND_UNAVAILABLE, SERVER_RESTART
 from .config import ConfigError, Settings
 from .conversations import Conversations
@@ -51,7 +51,6 @@ class Gateway:
         self.settings = settings
         # Made by start(): which Redis it is (a single server, a cluster) must be asked.
         self.backend: Backend
-        self.redis: Client  # for the rare commands; redis-py routes them
         self.store: Store
         self.hub: Hub
         self.conversations: Conversations
@@ -62,7 +61,6 @@ class Gateway:
 
     async def start(self) -> None:
         self.backend = await Backend.connect(self.settings)
-        self.redis = self.backend.client
         self.store = Store(self.backend, self.settings)
         self.hub = Hub(self.backend, self.store, on_unavailable=self._backend_unavailable)
         self.conversations = Conversations(self.store, self.settings)
@@ -76,7 +74,7 @@ class Gateway:
             from .demo_agent import handle
 
             # A stable name: restarted, this process resumes the turns it was running.
-            self.agent = AgentWorker(self.redis, self.settings, handle,
+            self.agent = AgentWorker(self.backend.client, self.settings, handle,
                                      consumer=stable_consumer(self.settings.port))
             await self.agent.start()
         gc.set_threshold(*GC_THRESHOLDS)

@@ -227,7 +227,7 @@ class Store:
         fields = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
         if status == "err":
             raise Rejected(fields[1], fields[2])
-        self._check_replicated(replicas)
+        self.check_replicated(replicas)
         result = Published(
             epoch=fields[1],
             seqs=[int(s) if s else None for s in fields[2].split(",")] if events else [],
@@ -239,10 +239,10 @@ class Store:
             created=len(fields) > 9 and fields[9] == "1" and fields[5] != "1",
         )
         if fields[7] == "1" and not result.duplicate:
-            await self._list_changed(result.owner, result.ts, chat_id, reply[10])
+            await self._tell_owner(result.owner, reply[10], "ZADD", result.ts, chat_id)
         return result
 
-    def _check_replicated(self, replicas: int | None) -> None:
+    def check_replicated(self, replicas: int | None) -> None:
         """Acknowledged means as durable as configured: so many replicas have it."""
         wanted = self.settings.wait_replicas
         if replicas is not None and replicas < wanted:
@@ -251,11 +251,13 @@ class Store:
                            f"{self.settings.wait_timeout_ms} ms; retry with the same "
                            "idempotency key")
 
-    async def _list_changed(self, owner: str, ts: int, chat_id: str, feed: bytes) -> None:
-        """The conversation list and the owner's feed live in the owner's slot, not the
+    async def _tell_owner(self, owner: str, feed: bytes, *list_change: Any) -> None:
+        """Change the owner's conversation list (``ZADD``/``ZREM`` and its arguments) and
+        announce ``feed`` on the owner's feed. Both live in the owner's slot, not the
         conversation's, so they cannot join its script: only list-visible changes pay this
         second write (one round trip: both go out in the same batch)."""
-        await asyncio.gather(self.pipeline.execute("ZADD", index_key(owner), ts, chat_id),
+        command, *args = list_change
+        await asyncio.gather(self.pipeline.execute(command, index_key(owner), *args),
                              self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
 
     async def read(self, chat_id: str, after: int | None, limit: int,
@@ -268,7 +270,7 @@ class Store:
              chat_id, self._stream_types])
         meta = Meta.from_hash(_as_dict(flat))
         if created and meta is not None:
-            await self._list_changed(meta.owner, meta.created_at, chat_id, feed[0])
+            await self._tell_owner(meta.owner, feed[0], "ZADD", meta.created_at, chat_id)
         frames = [(int(entry_id.split(b"-")[0]), fields[1]) for entry_id, fields in entries]
         streams = [OpenStream.parse(*open_streams[i:i + 3])
                    for i in range(0, len(open_streams), 3)]
@@ -288,11 +290,10 @@ class Store:
             self._delete, self._keys(chat_id), [room_channel(chat_id), chat_id])
         if not reply:
             return None
-        self._check_replicated(replicas)
-        owner, feed = reply[0].decode(), reply[1]
-        await asyncio.gather(self.pipeline.execute("ZREM", index_key(owner), chat_id),
-                             self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
-        return str(owner)
+        self.check_replicated(replicas)
+        owner = str(reply[0].decode())
+        await self._tell_owner(owner, reply[1], "ZREM", chat_id)
+        return owner
 
     async def migrate_lists(self) -> int:
         """Move conversation lists kept under the layout before per-user hash tags

@@ -116,7 +116,7 @@ def table(rows: Sequence[Row]) -> list[str]:
             *notes]
 
 
-async def until(predicate: Callable[[], bool], timeout: float, what: str = "") -> bool:
+async def until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "") -> bool:
     """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False)."""
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -23,6 +23,7 @@ from gateway.store import room_channel
 
 from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port
+from .faults import until
 from .publishing import publish
 from .wsclient import Frame, connect
 
@@ -172,8 +173,8 @@ class Load:
         since[reply["chat_id"]] = {"epoch": reply["epoch"], "seq": reply["seq"]}
 
     async def all_delivered(self, timeout: float = 15) -> None:
-        await wait_until(lambda: all(self.seen[c][-len(a):] == a
-                                     for c, a in self.acked.items() if a), timeout)
+        assert await until(lambda: all(self.seen[c][-len(a):] == a
+                                       for c, a in self.acked.items() if a), timeout)
 
     def check(self) -> None:
         for chat in self.chats:
@@ -200,13 +201,6 @@ async def running(load: Load, subscriber: GatewayProcess) -> AsyncIterator[Load]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def wait_until(check: Any, timeout: float = 15) -> None:
-    """Poll ``check`` (the state of other processes: no event to wait on) until true."""
-    async with asyncio.timeout(timeout):
-        while not check():  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-
-
 async def test_a_failover_under_load_loses_nothing(
         pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
     """``CLUSTER FAILOVER`` (a planned switch) on the shard of a live chat."""
@@ -214,14 +208,14 @@ async def test_a_failover_under_load_loses_nothing(
     chats = [c for group in chats_on_every_shard(cluster, 1).values() for c in group]
     load = Load(a, chats)
     async with running(load, b):
-        await wait_until(lambda: all(len(v) >= 5 for v in load.seen.values()))
+        assert await until(lambda: all(len(v) >= 5 for v in load.seen.values()))
         primary = cluster.primary_of(room_channel(chats[0]))
         replica = cluster.replica_of(primary)
         with replica.client() as client:
             client.execute_command("CLUSTER FAILOVER")
-        await wait_until(lambda: replica.role() == "master")
+        assert await until(lambda: replica.role() == "master")
         counted = {c: len(v) for c, v in load.acked.items()}
-        await wait_until(lambda: all(len(load.acked[c]) > counted[c] + 5 for c in chats))
+        assert await until(lambda: all(len(load.acked[c]) > counted[c] + 5 for c in chats))
     load.check()
     cluster.wait_ok()
 
@@ -233,13 +227,13 @@ async def test_a_slot_migrated_while_a_chat_is_live(
     chat = "c-" + uuid.uuid4().hex[:10]
     load = Load(a, [chat])
     async with running(load, b):
-        await wait_until(lambda: len(load.seen[chat]) >= 5)
+        assert await until(lambda: len(load.seen[chat]) >= 5)
         source = cluster.primary_of(room_channel(chat))
         target = next(n for n in cluster.nodes_by_role("master") if n is not source)
         migrate_slot(source, target, room_channel(chat))
         assert cluster.primary_of(room_channel(chat)) is target
         counted = len(load.acked[chat])
-        await wait_until(lambda: len(load.acked[chat]) > counted + 10)
+        assert await until(lambda: len(load.acked[chat]) > counted + 10)
     load.check()
 
 
@@ -268,15 +262,15 @@ async def test_a_primary_sigkilled_under_load(
             chats = [c for group in chats_on_every_shard(cluster, 1).values() for c in group]
             load = Load(a, chats)
             async with running(load, b):
-                await wait_until(lambda: all(len(v) >= 5 for v in load.seen.values()))
+                assert await until(lambda: all(len(v) >= 5 for v in load.seen.values()))
                 victim = cluster.primary_of(room_channel(chats[0]))
                 replica = cluster.replica_of(victim)
                 victim.kill(signal.SIGKILL)
-                await wait_until(lambda: replica.role() == "master", timeout=20)
+                assert await until(lambda: replica.role() == "master", timeout=20)
                 # Back as the new primary's replica: WAIT 1 can be met on that shard again.
                 victim.start()
                 counted = {c: len(v) for c, v in load.acked.items()}
-                await wait_until(lambda: all(len(load.acked[c]) > counted[c] + 5
+                assert await until(lambda: all(len(load.acked[c]) > counted[c] + 5
                                              for c in chats), timeout=20)
             load.check()
         finally:
@@ -305,7 +299,7 @@ async def test_a_failover_to_a_replica_that_lagged_forks_nothing(
         replica = cluster.replica_of(primary)
         with replica.client() as client:
             client.execute_command("CLUSTER FAILOVER")
-        await wait_until(lambda: replica.role() == "master")
+        assert await until(lambda: replica.role() == "master")
         told = await ws.wait_for(lambda f: f["type"] == "subscribed", timeout=15)
         assert told["recovered"] is False and told["epoch"] != first["epoch"]
         await publish(a, chat, {"type": "note", "data": {"i": 9}})
