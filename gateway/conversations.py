@@ -22,7 +22,7 @@ from .auth import Principal
 from .config import Settings
 from .errors import Rejected
 from .inbox import Handoff, Inbox
-from .store import Meta, OutEvent, Published, Store
+from .store import Meta, NotReplicated, OutEvent, Published, Store
 
 log = logging.getLogger("gateway.conversations")
 
@@ -107,6 +107,7 @@ class Conversations:
         handoff = Handoff(req.chat_id, turn_id, who.user_id, req.text, req.client_msg_id,
                           _encode(req.data).decode() if req.data is not None else "")
         await self.inbox.stage(handoff)  # first: from here on, a crash cannot lose the turn
+        not_replicated: NotReplicated | None = None
         try:
             result = await self.store.publish(
                 req.chat_id,
@@ -117,6 +118,9 @@ class Conversations:
                 note=turn_id,
                 writer=who.writer(),
             )
+        except NotReplicated as exc:  # stored, the turn runs: hand it off, then say so
+            assert exc.result is not None
+            result, not_replicated = exc.result, exc
         except Rejected:
             with contextlib.suppress(RedisError, OSError):  # else the sweeper drops it
                 await self.inbox.discard(handoff)
@@ -131,6 +135,8 @@ class Conversations:
             except (RedisError, OSError) as exc:  # the message stands: acknowledge it
                 log.warning("handing off %s %s: %s; the sweeper will", req.chat_id, turn_id,
                             exc)
+        if not_replicated is not None:
+            raise not_replicated
         return p.Ack(req.chat_id, result.seqs[0], req.client_msg_id, result.note,
                      result.duplicate, req.id)
 

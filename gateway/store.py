@@ -81,6 +81,16 @@ class Published(msgspec.Struct, frozen=True):
     created: bool = False
 
 
+class NotReplicated(Rejected):
+    """Stored and published, but fewer replicas than ``GATEWAY_WAIT_REPLICAS`` confirmed it
+    in time: not acknowledged, yet it stands (``result``); a retry with the same idempotency
+    key returns that result."""
+
+    def __init__(self, message: str, result: Published | None = None) -> None:
+        super().__init__("replication_timeout", message)
+        self.result = result
+
+
 class Meta(msgspec.Struct, frozen=True):
     """A conversation's state as stored in its meta hash."""
 
@@ -227,7 +237,6 @@ class Store:
         fields = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
         if status == "err":
             raise Rejected(fields[1], fields[2])
-        self.check_replicated(replicas)
         result = Published(
             epoch=fields[1],
             seqs=[int(s) if s else None for s in fields[2].split(",")] if events else [],
@@ -240,16 +249,16 @@ class Store:
         )
         if fields[7] == "1" and not result.duplicate:
             await self._tell_owner(result.owner, reply[10], "ZADD", result.ts, chat_id)
+        self.check_replicated(replicas, result)  # stored either way: list and feed tell it
         return result
 
-    def check_replicated(self, replicas: int | None) -> None:
+    def check_replicated(self, replicas: int | None, result: Published | None = None) -> None:
         """Acknowledged means as durable as configured: so many replicas have it."""
         wanted = self.settings.wait_replicas
         if replicas is not None and replicas < wanted:
-            raise Rejected("replication_timeout",
-                           f"stored, but {replicas} of {wanted} replicas confirmed within "
-                           f"{self.settings.wait_timeout_ms} ms; retry with the same "
-                           "idempotency key")
+            raise NotReplicated(f"stored, but {replicas} of {wanted} replicas confirmed within "
+                                f"{self.settings.wait_timeout_ms} ms; retry with the same "
+                                "idempotency key", result)
 
     async def _tell_owner(self, owner: str, feed: bytes, *list_change: Any) -> None:
         """Change the owner's conversation list (``ZADD``/``ZREM`` and its arguments) and
@@ -290,9 +299,9 @@ class Store:
             self._delete, self._keys(chat_id), [room_channel(chat_id), chat_id])
         if not reply:
             return None
-        self.check_replicated(replicas)
         owner = str(reply[0].decode())
         await self._tell_owner(owner, reply[1], "ZREM", chat_id)
+        self.check_replicated(replicas)
         return owner
 
     async def migrate_lists(self) -> int:

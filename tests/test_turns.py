@@ -85,12 +85,12 @@ async def send_message(ws: Client, chat_id: str, text: str, client_msg_id: str,
                        client_msg_id=client_msg_id, **extra)
 
 
-async def feed(ws: Client, chat_id: str, timeout: float = 5.0, **fields: Any) -> Frame:
+async def feed(ws: Client, chat_id: str, **fields: Any) -> Frame:
     """The next conversation-feed frame of ``chat_id`` that has ``fields``."""
     def match(frame: Frame) -> bool:
         return (frame["type"] == "conversation" and frame["chat_id"] == chat_id
                 and all(frame.get(k) == v for k, v in fields.items()))
-    return await ws.wait_for(match, timeout)
+    return await ws.wait_for(match)
 
 
 async def pong(ws: Client) -> None:
@@ -289,7 +289,7 @@ async def test_silent_turn_times_out(quick_turns: Any, user: str, chat_id: str) 
         assert end["data"]["reason"] == "timeout" and end["data"]["turn_id"] == ack["turn_id"]
         assert end["data"]["latency_ms"] >= 400
         assert end["data"]["latency_ms"] == end["ts"] - start["data"]["started_at"]
-        await feed(other, chat_id, status="idle", last_seq=3, timeout=15)
+        await feed(other, chat_id, status="idle", last_seq=3)
         # The conversation is idle again: a new message starts a new turn.
         again, _ = await send_message(ws, chat_id, "hello?", "m-2")
         assert again["type"] == "ack" and again["seq"] == 4
