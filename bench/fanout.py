@@ -4,7 +4,7 @@ Starts a private Redis-compatible server (the embedded one, in a temporary direc
 persistence) and one ``gateway serve`` process, connects ``--subscribers`` real WebSocket
 clients to one conversation, then publishes ``--events`` events at a steady ``--rate``.
 
-Events are published by calling :meth:`gateway.store.Store.publish` on a direct Redis
+Events are published by calling :meth:`gateway.redis.store.Store.publish` on a direct Redis
 client: the very Lua script the HTTP API and the WebSocket ``message`` path run, minus the
 HTTP hop, so the publisher is not what limits the measurement. Each event carries
 ``time.perf_counter()`` taken just before its publish call; every subscriber (same process,
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gateway.auth import issue_token
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
-from gateway.store import OutEvent, Store
+from gateway.redis.store import OutEvent, Store
 
 CHAT_ID = "bench-room"
 OWNER = "bench-owner"

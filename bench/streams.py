@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fanout import cpu_seconds, free_port, percentile, start_gateway
 
-from gateway.agent import Turn
 from gateway.auth import issue_token
-from gateway.backend import Backend
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
-from gateway.store import OutEvent, Store
+from gateway.redis.backend import Backend
+from gateway.redis.store import OutEvent, Store
+from gateway.sdk.agent import Turn
 
 OWNER = "bench"
 

@@ -16,9 +16,9 @@ from starlette.types import Receive, Scope, Send
 from . import protocol as p
 from . import sse
 from .auth import Principal
-from .conversations import PublishBatch, PublishEvent
 from .errors import Rejected
-from .store import Meta
+from .events import PublishBatch, PublishEvent
+from .redis.store import Meta
 
 if TYPE_CHECKING:
     from .runtime import Gateway

@@ -8,12 +8,17 @@ import os
 import secrets
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from .auth import Principal, issue_token
 from .config import ConfigError, Settings, data_path, load_settings
+
+if TYPE_CHECKING:
+    from .app import GatewayApp
+    from .runtime import Companion, Gateway
+    from .sdk.agent import AgentWorker
 
 SECRET_FILE = "secret"
 
@@ -65,6 +70,41 @@ def _http() -> str:
     return "httptools"
 
 
+def create_app() -> GatewayApp:
+    """uvicorn's factory for ``gateway serve``: the app, with the in-process demo agent when
+    ``GATEWAY_DEMO_AGENT`` asks for it (the embedded default and dev mode do)."""
+    from .app import create_app as make_app
+
+    app = make_app()
+    gateway: Gateway = app.state.gateway
+    if gateway.settings.demo_agent:
+        gateway.companions.append(_demo_agent)
+    return app
+
+
+def _demo_agent(gateway: Gateway) -> Companion:
+    from .sdk.agent import AgentWorker, stable_consumer
+    from .sdk.demo_agent import handle
+
+    # A stable name: restarted, this process resumes the turns it was running.
+    worker = AgentWorker(gateway.backend.client, gateway.settings, handle,
+                         consumer=stable_consumer(gateway.settings.port))
+    return _Stopping(worker, grace=3)
+
+
+class _Stopping:
+    """A worker as a companion: stopped with a short grace (the gateway is going down)."""
+
+    def __init__(self, worker: AgentWorker, grace: float) -> None:
+        self.worker, self.grace = worker, grace
+
+    async def start(self) -> None:
+        await self.worker.start()
+
+    async def stop(self) -> None:
+        await self.worker.stop(grace=self.grace)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -99,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_compatible()  # fail at start, not on the first connection, after a uvicorn upgrade
     try:
         uvicorn.run(
-            "gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
+            "gateway.cli:create_app", factory=True, host=settings.host, port=settings.port,
             workers=args.workers, loop=_loop(), http=_http(),
             ws=GatewayWebSocketProtocol, ws_max_size=settings.max_frame_bytes,
             ws_ping_interval=settings.heartbeat, ws_ping_timeout=settings.heartbeat,
@@ -120,7 +160,7 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from .conversations import PublishEvent
+    from .events import PublishEvent
 
     try:
         data = msgspec.json.decode(args.json)
@@ -132,9 +172,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
     settings = load_settings(data_dir=args.data_dir)
 
     async def run() -> Any:
-        from .backend import Backend
         from .conversations import Conversations
-        from .store import Store
+        from .redis.backend import Backend
+        from .redis.store import Store
 
         backend = await Backend.connect(msgspec.structs.replace(
             settings, redis_url=_redis_url(settings)))
@@ -153,7 +193,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     import dataclasses
     import logging
 
-    from .client import GatewayClient, GatewayError, StreamReset
+    from .sdk.client import GatewayClient, GatewayError, StreamReset
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="gateway tail: %(message)s")
@@ -200,7 +240,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 def cmd_agent(args: argparse.Namespace) -> int:
     import logging
 
-    from .agent import load_handler, serve
+    from .sdk.agent import load_handler, serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,8 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from redis.exceptions import RedisError
@@ -21,69 +20,15 @@ from . import protocol as p
 from .auth import Principal
 from .config import Settings
 from .errors import Rejected
-from .inbox import Handoff, Inbox
-from .store import Meta, NotReplicated, OutEvent, Published, Store
+from .events import PublishEvent, clean_title, now_ms, to_out_event
+from .redis.agent_inbox import AgentInbox, Handoff
+from .redis.store import Meta, NotReplicated, OutEvent, Published, Store
 
 log = logging.getLogger("gateway.conversations")
 
 _encode = msgspec.json.encode
 PREVIEW_CHARS = 120
-TITLE_MAX = 200
 SEQ_SCAN = 500  # latest events searched for a stranded turn's turn_start
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-class PublishEvent(msgspec.Struct, frozen=True):
-    """One event as an agent or service publishes it."""
-
-    type: p.EventType
-    data: dict[str, Any] = {}
-    durable: bool = True
-    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
-    # Which run of the turn a streamed delta comes from: a redelivered turn (another worker,
-    # another attempt) discards the open stream of the previous one.
-    attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
-
-
-class PublishBatch(msgspec.Struct, frozen=True):
-    events: Annotated[list[PublishEvent], msgspec.Meta(min_length=1, max_length=500)]
-    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
-
-
-def clean_title(raw: str) -> str:
-    title = " ".join(raw.split())
-    if not 1 <= len(title) <= TITLE_MAX:
-        raise Rejected("invalid_request", f"title must be 1-{TITLE_MAX} characters after trimming")
-    return title
-
-
-def to_out_event(event: PublishEvent) -> OutEvent:
-    """Validate an agent event; complete the ones whose meaning the gateway owns."""
-    kind = event.type
-    if kind in p.GATEWAY_ONLY_TYPES:
-        raise Rejected("reserved_type", f"event type {kind!r} is reserved for the gateway")
-    try:
-        if kind == "turn_end":
-            end = msgspec.convert(event.data, p.TurnEndData)
-            body = _encode({"reason": end.reason, "usage": end.usage})
-            return OutEvent(kind, body, True, end.turn_id or "")
-        if kind == "goal_state":
-            goal = msgspec.convert(event.data, p.GoalState)
-            if goal.updated_at is None:
-                goal.updated_at = now_ms()
-            return OutEvent(kind, _encode(goal), True)
-        if kind == "title":
-            title = msgspec.convert(event.data, p.TitleData)
-            return OutEvent(kind, clean_title(title.title).encode(), True, title.source)
-    except msgspec.ValidationError as exc:
-        raise Rejected("invalid_request", f"{kind}: {exc}") from None
-    if not event.durable:  # a streamed delta names its attempt (the store ignores it otherwise)
-        return OutEvent(kind, _encode(event.data), False, event.attempt or "")
-    # A commit (`message` closing the `delta` stream...) without text takes the stream's text.
-    return OutEvent(kind, _encode(event.data), True, "" if "text" in event.data else "fill")
 
 
 class Conversations:
@@ -92,7 +37,7 @@ class Conversations:
     def __init__(self, store: Store, settings: Settings) -> None:
         self.store = store
         self.settings = settings
-        self.inbox = Inbox(store)
+        self.inbox = AgentInbox(store)
 
     async def post_message(self, who: Principal, req: p.Message) -> p.Ack:
         """Append the user's message and start a turn; a retried ``client_msg_id`` is a no-op."""

@@ -32,9 +32,9 @@ from typing import Any, Protocol
 import msgspec
 from redis.exceptions import AskError, RedisError, ResponseError
 
-from .backend import Backend, Node
-from .pubsub import ShardReader
-from .store import History, Store, feed_channel, room_channel
+from .redis.backend import Backend, Node
+from .redis.pubsub import ShardReader
+from .redis.store import History, Store, feed_channel, room_channel
 from .transport.frames import binary_frame, text_frame
 
 log = logging.getLogger("gateway.hub")

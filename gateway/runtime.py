@@ -11,19 +11,19 @@ import asyncio
 import contextlib
 import gc
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from starlette.requests import HTTPConnection
 
-from .agent import AgentWorker
 from .auth import AuthError, Principal, TokenCache, bearer
-from .backend import Backend
 from .closecodes import BACKEND_UNAVAILABLE, SERVER_RESTART
 from .config import ConfigError, Settings
 from .conversations import Conversations
 from .errors import Rejected
 from .hub import Hub
-from .store import Store
+from .redis.backend import Backend
+from .redis.store import Store
 
 log = logging.getLogger("gateway")
 
@@ -37,6 +37,15 @@ class Connection(Protocol):
     """What the runtime needs of a live WebSocket session."""
 
     def close(self, code: int, reason: str = "") -> None: ...
+
+
+class Companion(Protocol):
+    """Work that runs beside the gateway in its process, started after it and stopped before
+    it (the CLI adds the in-process demo agent this way: the runtime knows no SDK)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class Gateway:
@@ -57,7 +66,9 @@ class Gateway:
         self.tokens = TokenCache(settings.secret)
         self.sessions: dict[str, set[Connection]] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        self.agent: AgentWorker | None = None
+        # Each is made once the gateway has started (it may need the backend).
+        self.companions: list[Callable[[Gateway], Companion]] = []
+        self._running: list[Companion] = []
 
     async def start(self) -> None:
         self.backend = await Backend.connect(self.settings)
@@ -69,14 +80,10 @@ class Gateway:
         if moved:
             log.info("moved %d conversation lists to the per-user key layout", moved)
         self._sweeper = asyncio.create_task(self.conversations.run_turn_sweeper())
-        if self.settings.demo_agent:
-            from .agent import stable_consumer
-            from .demo_agent import handle
-
-            # A stable name: restarted, this process resumes the turns it was running.
-            self.agent = AgentWorker(self.backend.client, self.settings, handle,
-                                     consumer=stable_consumer(self.settings.port))
-            await self.agent.start()
+        for make in self.companions:
+            companion = make(self)
+            await companion.start()
+            self._running.append(companion)
         gc.set_threshold(*GC_THRESHOLDS)
         gc.freeze()  # what start-up made lives as long as the process: never scan it again
 
@@ -84,8 +91,8 @@ class Gateway:
         self._close_all(SERVER_RESTART, "server restarting")
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self.agent is not None:
-            await self.agent.stop(grace=3)
+        for companion in reversed(self._running):
+            await companion.stop()
         # Give the close frames a moment to leave before the sockets go.
         with contextlib.suppress(Exception):
             await asyncio.sleep(0.05)

@@ -37,11 +37,11 @@ from .closecodes import (
     TOKEN_EXPIRED,
     TOO_MANY,
 )
-from .conversations import now_ms
 from .errors import Rejected
+from .events import now_ms
 from .hub import Frame
 from .recovery import plan_replay
-from .store import Meta
+from .redis.store import Meta
 from .transport.outbound import outbound_for
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 from gateway.auth import issue_token
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
-from gateway.inbox import inbox_key
+from gateway.redis.agent_inbox import inbox_key
 
 from .wsclient import Client, connect  # noqa: F401  (re-exported for tests)
 

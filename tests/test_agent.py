@@ -23,10 +23,10 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from gateway.agent import AgentWorker, Handler, Turn
 from gateway.config import Settings
-from gateway.demo_agent import handle as demo_handle
-from gateway.inbox import inbox_key
+from gateway.redis.agent_inbox import inbox_key
+from gateway.sdk.agent import AgentWorker, Handler, Turn
+from gateway.sdk.demo_agent import handle as demo_handle
 
 from .wsclient import Client, connect
 
@@ -445,7 +445,7 @@ async def test_two_workers_share_the_partitions_and_handle_each_turn_once(
 async def test_demo_agent_over_a_real_websocket(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
-    async with agent_process(redis_url, "gateway.demo_agent:handle", group), \
+    async with agent_process(redis_url, "gateway.sdk.demo_agent:handle", group), \
             connect(gateway.url(user)) as ws:
         await ws.subscribe(chat_id)
         await send_message(ws, chat_id, "plan a day in Lisbon")

@@ -1,7 +1,7 @@
 """The demo page and gateway-client.js in a real headless Chromium, against real processes.
 
 A gateway in dev mode (it serves the page), the demo agent as its own process (``gateway
-agent gateway.demo_agent:handle``), and a private Redis-compatible server, so agents other
+agent gateway.sdk.demo_agent:handle``), and a private Redis-compatible server, so agents other
 test modules start never pick up these turns. Needs Debian's Chromium at /usr/bin/chromium
 (``apt-get install -y chromium``) and the ``playwright`` package; the tests fail, not skip,
 without them. Never downloads a browser.
@@ -75,7 +75,7 @@ def agent(demo: GatewayProcess) -> Iterator[subprocess.Popen[bytes]]:
     assert demo_agent.exists(), "gateway/demo_agent.py is missing"
     with open(Path(demo.env["GATEWAY_DATA_DIR"]) / "browser-agent.log", "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "agent", "gateway.demo_agent:handle",
+            [sys.executable, "-m", "gateway", "agent", "gateway.sdk.demo_agent:handle",
              "--log-level", "warning"],
             env=demo.env, stdout=log, stderr=subprocess.STDOUT,
         )

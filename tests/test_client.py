@@ -1,4 +1,4 @@
-"""The Python client SDK (``gateway.client``) and ``gateway tail``, against real gateway
+"""The Python client SDK (``gateway.sdk.client``) and ``gateway tail``, against real gateway
 processes on the session's real Redis-compatible server.
 
 Gateways are restarted with ``GatewayProcess.stop()``/``.start()`` on the same port while an
@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from gateway.auth import issue_token
-from gateway.client import (
+from gateway.sdk.client import (
     ChatItem,
     Ended,
     Event,

@@ -22,15 +22,15 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from gateway import protocol as p
-from gateway.agent import AgentWorker, Turn
 from gateway.auth import Principal
-from gateway.backend import Backend
 from gateway.config import Settings
 from gateway.conversations import Conversations
 from gateway.embedded import EmbeddedRedis
 from gateway.errors import Rejected
-from gateway.inbox import Handoff, inbox_partition, partitions
-from gateway.store import Store
+from gateway.redis.agent_inbox import Handoff, inbox_partition, partitions
+from gateway.redis.backend import Backend
+from gateway.redis.store import Store
+from gateway.sdk.agent import AgentWorker, Turn
 
 from .cluster import ValkeyCluster
 from .test_agent import agent_worker, eventually, history, of_type, send_message, until_turn_end

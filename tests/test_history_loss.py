@@ -18,11 +18,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.backend import Backend
-from gateway.client import GatewayClient, Recovery
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
-from gateway.store import OutEvent, Store
+from gateway.redis.backend import Backend
+from gateway.redis.store import OutEvent, Store
+from gateway.sdk.client import GatewayClient, Recovery
 
 from .conftest import GatewayProcess, free_port
 from .publishing import publish

@@ -23,7 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.store import meta_key, stream_key
+from gateway.redis.store import meta_key, stream_key
 
 from .conftest import free_port
 from .publishing import publish

@@ -20,7 +20,7 @@ import jwt
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.store import index_key, stream_key
+from gateway.redis.store import index_key, stream_key
 
 from .wsclient import connect
 

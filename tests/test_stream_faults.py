@@ -24,10 +24,10 @@ import pytest
 import redis.asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
-from gateway.agent import Turn
-from gateway.client import Event, GatewayClient, StreamReset
 from gateway.config import Settings
 from gateway.errors import Rejected
+from gateway.sdk.agent import Turn
+from gateway.sdk.client import Event, GatewayClient, StreamReset
 
 from .test_agent import (
     agent_process,
@@ -385,7 +385,7 @@ def sdk_view(items: list[Any]) -> tuple[dict[str, str], list[Event], int]:
 async def test_the_sdk_resyncs_a_stream_after_pubsub_loss(
         start_gateway: Any, redis_url: str, user: str, chat_id: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="gateway.client")
+    caplog.set_level(logging.WARNING, logger="gateway.sdk.client")
     gw = start_gateway()
     streamer = Streamer(gw, chat_id, [f"t{i}ü " for i in range(5000)])
     killer = aioredis.from_url(redis_url)

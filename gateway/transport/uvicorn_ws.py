@@ -78,7 +78,7 @@ def redacting_logger() -> logging.Logger:
     return _logger
 
 
-class Inbox:
+class ReceivedMessages:
     """uvicorn's receive queue (one consumer) without ``asyncio.Queue``'s three deques.
 
     An idle connection holds its queue for hours: this one costs a list and a slot.
@@ -149,7 +149,7 @@ class GatewayWebSocketProtocol(WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         self.logger = redacting_logger()
         self.listener = None
-        self.queue = Inbox()  # type: ignore[assignment]
+        self.queue = ReceivedMessages()  # type: ignore[assignment]
         self.writable = Flag()  # type: ignore[assignment]
 
     async def run_asgi(self) -> None:

@@ -37,8 +37,8 @@ import msgspec
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS as SLOTS
 from redis.crc import key_slot
 
-from .autopipeline import Script
-from .config import Settings
+from ..config import Settings
+from .pipeline import Script
 from .store import Store
 
 log = logging.getLogger("gateway.inbox")
@@ -130,14 +130,14 @@ _STAGE = Script("return redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])")
 
 @functools.cache
 def _handoff_script() -> Script:
-    return Script(resources.files("gateway").joinpath("lua", "handoff.lua").read_text())
+    return Script(resources.files("gateway.redis").joinpath("lua", "handoff.lua").read_text())
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class Inbox:
+class AgentInbox:
     """The inbox, outbox and turn deadlines of every partition."""
 
     def __init__(self, store: Store) -> None:

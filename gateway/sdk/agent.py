@@ -59,12 +59,12 @@ import msgspec
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
-from .backend import Backend, Client
-from .config import Settings
-from .conversations import PublishEvent, to_out_event
-from .errors import Rejected
-from .inbox import Inbox
-from .store import Meta, Published, Store
+from ..config import Settings
+from ..errors import Rejected
+from ..events import PublishEvent, to_out_event
+from ..redis.agent_inbox import AgentInbox
+from ..redis.backend import Backend, Client
+from ..redis.store import Meta, Published, Store
 
 log = logging.getLogger("gateway.agent")
 
@@ -272,7 +272,7 @@ class Turn:
             return None
         self.ended = True
         with contextlib.suppress(RedisError, OSError):
-            await Inbox(self.store).untrack_turn(self.chat_id, self.turn_id)
+            await AgentInbox(self.store).untrack_turn(self.chat_id, self.turn_id)
         return result
 
 
@@ -330,7 +330,7 @@ class AgentWorker:
         self.accept = accept
         self.delta_window_ms = (settings.delta_window_ms if delta_window_ms is None
                                 else delta_window_ms)
-        self.keys = Inbox(self.store).keys()
+        self.keys = AgentInbox(self.store).keys()
         # Keys one call may name together: all of them on one server; on a cluster, where
         # each partition has a slot of its own, one each.
         self._cluster = isinstance(redis, RedisCluster)

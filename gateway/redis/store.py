@@ -27,10 +27,10 @@ from typing import Any
 
 import msgspec
 
-from .autopipeline import AutoPipeline, Script
+from ..config import Settings
+from ..errors import Rejected
 from .backend import Backend
-from .config import Settings
-from .errors import Rejected
+from .pipeline import AutoPipeline, Script
 
 
 def meta_key(chat_id: str) -> str:
@@ -183,7 +183,7 @@ def _as_dict(reply: Any) -> dict[bytes, bytes]:
 
 def _script(name: str) -> str:
     """A script's source with ``lua/lib.lua`` (the shared functions) in front of it."""
-    lua = resources.files("gateway").joinpath("lua")
+    lua = resources.files("gateway.redis").joinpath("lua")
     return lua.joinpath("lib.lua").read_text() + lua.joinpath(name).read_text()
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
+from ..redis.store import Meta
 from .agent import Turn
-from .store import Meta
 
 WORD_DELAY = 0.03  # seconds between streamed words
 SLOW_WORDS = 100

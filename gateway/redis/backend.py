@@ -25,7 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AskError, RedisError
 
-from .config import Settings
+from ..config import Settings
 
 log = logging.getLogger("gateway.backend")
 
