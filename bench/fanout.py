@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gateway.auth import issue_token
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
-from gateway.redis.store import OutEvent, Store
+from gateway.redis.records import OutEvent
+from gateway.redis.store import Store
 
 CHAT_ID = "bench-room"
 OWNER = "bench-owner"
@@ -158,7 +159,7 @@ async def publisher(store: Store, events: int, rate: float, payload: bytes, dura
                 await asyncio.sleep(delay)
         now = time.perf_counter()
         data = b'{"t":%r,"i":%d,"text":"%s"}' % (now, i, payload)
-        await store.publish(CHAT_ID, [OutEvent("delta", data, durable)])
+        await store.publish(CHAT_ID, [OutEvent(type="delta", data=data, durable=durable)])
     return time.perf_counter() - start
 
 

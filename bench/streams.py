@@ -42,7 +42,8 @@ from gateway.auth import issue_token
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
 from gateway.redis.backend import Backend
-from gateway.redis.store import OutEvent, Store
+from gateway.redis.records import OutEvent
+from gateway.redis.store import Store
 from gateway.sdk.agent import Turn
 
 OWNER = "bench"
@@ -96,7 +97,8 @@ async def answer(store: Store, chat_id: str, rate: float, seconds: float) -> int
     while time.perf_counter() - start < seconds:
         await asyncio.sleep(max(0.0, start + sent * interval - time.perf_counter()))
         data = b'{"t":%r,"text":"token "}' % time.perf_counter()
-        await store.publish(chat_id, [OutEvent("delta", data, False, "bench")])
+        await store.publish(
+            chat_id, [OutEvent(type="delta", data=data, durable=False, attempt="bench")])
         sent += 1
     return sent
 
@@ -106,7 +108,8 @@ async def delta_cost(store: Store, port: int, secret: str, gateway_pid: int, ans
     run = secrets.token_hex(3)
     chats = [f"answer-{run}-{i}" for i in range(answers)]
     for chat_id in chats:
-        events = [OutEvent("turn_start", b"{}", True, f"t_{chat_id}")] if streamed else []
+        events = ([OutEvent(type="turn_start", data=b"{}", turn_id=f"t_{chat_id}")]
+                  if streamed else [])
         await store.publish(chat_id, events, create_owner=OWNER)
     latencies: list[float] = []
     received, joined, ready = Tally(), [0], asyncio.Event()
@@ -136,7 +139,7 @@ async def delta_cost(store: Store, port: int, secret: str, gateway_pid: int, ans
 async def coalescing(client: aioredis.Redis, store: Store) -> tuple[int, int]:
     """Script calls a 150 tokens/s model makes per 1000 tokens through the worker SDK."""
     chat_id = f"coalesce-{secrets.token_hex(3)}"
-    await store.publish(chat_id, [OutEvent("turn_start", b"{}", True, "t_c")],
+    await store.publish(chat_id, [OutEvent(type="turn_start", data=b"{}", turn_id="t_c")],
                         create_owner=OWNER)
     turn = Turn(store, {"chat_id": chat_id, "turn_id": "t_c"}, delta_window_ms=25)
     before = await _script_calls(client)
@@ -156,12 +159,13 @@ async def _script_calls(client: aioredis.Redis) -> int:
 
 async def resume_size(store: Store, port: int, secret: str, deltas: int) -> tuple[int, int]:
     chat_id = f"long-{secrets.token_hex(3)}"
-    await store.publish(chat_id, [OutEvent("turn_start", b"{}", True, "t_l")],
+    await store.publish(chat_id, [OutEvent(type="turn_start", data=b"{}", turn_id="t_l")],
                         create_owner=OWNER)
     delta_bytes = 0
     for i in range(deltas):
         data = b'{"text":"tok%d "}' % i
-        await store.publish(chat_id, [OutEvent("delta", data, False, "bench")])
+        await store.publish(
+            chat_id, [OutEvent(type="delta", data=data, durable=False, attempt="bench")])
         # What this delta weighs on the wire, as a live frame.
         delta_bytes += len(b'{"type":"delta","chat_id":"%s","seq":null,"ts":1763712000000,'
                            b'"stream":{"id":"s0123456789.1","pos":%d},"data":%s}'

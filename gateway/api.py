@@ -18,7 +18,7 @@ from . import sse
 from .auth import Principal
 from .errors import Rejected
 from .events import PublishBatch, PublishEvent
-from .redis.store import Meta
+from .redis.records import Meta
 
 if TYPE_CHECKING:
     from .runtime import Gateway

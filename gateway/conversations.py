@@ -22,7 +22,8 @@ from .config import Settings
 from .errors import Rejected
 from .events import PublishEvent, clean_title, now_ms, to_out_event
 from .redis.agent_inbox import AgentInbox, Handoff
-from .redis.store import Meta, NotReplicated, OutEvent, Published, Store
+from .redis.records import Meta, OutEvent, Published
+from .redis.store import NotReplicated, Store
 
 log = logging.getLogger("gateway.conversations")
 
@@ -56,11 +57,10 @@ class Conversations:
         try:
             result = await self.store.publish(
                 req.chat_id,
-                [OutEvent("user_message", _encode(data), True, preview),
-                 OutEvent("turn_start", b"{}", True, turn_id)],
+                [OutEvent(type="user_message", data=_encode(data), preview=preview),
+                 OutEvent(type="turn_start", data=b"{}", turn_id=turn_id)],
                 create_owner=who.user_id if self.settings.auto_create else "",
                 idempotency_key=f"m:{who.user_id}:{req.client_msg_id}",
-                note=turn_id,
                 writer=who.writer(),
             )
         except NotReplicated as exc:  # stored, the turn runs: hand it off, then say so
@@ -82,19 +82,20 @@ class Conversations:
                             exc)
         if not_replicated is not None:
             raise not_replicated
-        return p.Ack(req.chat_id, result.seqs[0], req.client_msg_id, result.note,
+        return p.Ack(req.chat_id, result.seqs[0], req.client_msg_id, result.turn_id,
                      result.duplicate, req.id)
 
     async def cancel(self, who: Principal, req: p.Cancel) -> p.Ack:
         result = await self.store.publish(
-            req.chat_id, [OutEvent("cancel_requested", b"{}", True, req.turn_id or "")],
+            req.chat_id,
+            [OutEvent(type="cancel_requested", data=b"{}", turn_id=req.turn_id or "")],
             writer=who.writer(),
         )
         await self.inbox.to_inbox(req.chat_id, {
-            "kind": "cancel", "chat_id": req.chat_id, "turn_id": result.note,
+            "kind": "cancel", "chat_id": req.chat_id, "turn_id": result.turn_id or "",
             "seq": str(result.seqs[0]), "user_id": who.user_id,
         })
-        return p.Ack(req.chat_id, result.seqs[0], None, result.note, False, req.id)
+        return p.Ack(req.chat_id, result.seqs[0], None, result.turn_id, False, req.id)
 
     async def publish(self, who: Principal, chat_id: str, events: list[PublishEvent],
                       idempotency_key: str | None = None) -> Published:
@@ -121,7 +122,8 @@ class Conversations:
 
     async def rename(self, who: Principal, chat_id: str, title: str) -> Published:
         return await self.store.publish(
-            chat_id, [OutEvent("title", clean_title(title).encode(), True, "user")],
+            chat_id,
+            [OutEvent(type="title", data=clean_title(title).encode(), title_source="user")],
             writer=who.writer(),
         )
 
@@ -131,7 +133,8 @@ class Conversations:
         for chat_id, turn_id in await self.inbox.due_turns(now_ms()):
             try:
                 await self.store.publish(
-                    chat_id, [OutEvent("turn_end", b'{"reason":"timeout"}', True, turn_id)]
+                    chat_id, [OutEvent(type="turn_end", data=b'{"reason":"timeout"}',
+                                       turn_id=turn_id)]
                 )
                 ended += 1
             except Rejected:

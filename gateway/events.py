@@ -13,7 +13,7 @@ import msgspec
 
 from . import protocol as p
 from .errors import Rejected
-from .redis.store import OutEvent
+from .redis.records import OutEvent
 
 _encode = msgspec.json.encode
 TITLE_MAX = 200
@@ -30,8 +30,8 @@ class PublishEvent(msgspec.Struct, frozen=True):
     data: dict[str, Any] = {}
     durable: bool = True
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
-    # Which run of the turn a streamed delta comes from: a redelivered turn (another worker,
-    # another attempt) discards the open stream of the previous one.
+    # Which run of the turn a streamed delta, or its commit, comes from: a redelivered turn
+    # (another worker, another attempt) discards the open stream of the previous one.
     attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
 
@@ -56,18 +56,19 @@ def to_out_event(event: PublishEvent) -> OutEvent:
         if kind == "turn_end":
             end = msgspec.convert(event.data, p.TurnEndData)
             body = _encode({"reason": end.reason, "usage": end.usage})
-            return OutEvent(kind, body, True, end.turn_id or "")
+            return OutEvent(type=kind, data=body, turn_id=end.turn_id or "")
         if kind == "goal_state":
             goal = msgspec.convert(event.data, p.GoalState)
             if goal.updated_at is None:
                 goal.updated_at = now_ms()
-            return OutEvent(kind, _encode(goal), True)
+            return OutEvent(type=kind, data=_encode(goal))
         if kind == "title":
             title = msgspec.convert(event.data, p.TitleData)
-            return OutEvent(kind, clean_title(title.title).encode(), True, title.source)
+            return OutEvent(type=kind, data=clean_title(title.title).encode(),
+                            title_source=title.source)
     except msgspec.ValidationError as exc:
         raise Rejected("invalid_request", f"{kind}: {exc}") from None
-    if not event.durable:  # a streamed delta names its attempt (the store ignores it otherwise)
-        return OutEvent(kind, _encode(event.data), False, event.attempt or "")
-    # A commit (`message` closing the `delta` stream...) without text takes the stream's text.
-    return OutEvent(kind, _encode(event.data), True, "" if "text" in event.data else "fill")
+    # A streamed delta names its attempt, and so may its commit (`message` closing the
+    # `delta` stream...); a commit without text takes the stream's text.
+    return OutEvent(type=kind, data=_encode(event.data), durable=event.durable,
+                    attempt=event.attempt or "", fill=event.durable and "text" not in event.data)

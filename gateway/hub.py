@@ -33,8 +33,11 @@ import msgspec
 from redis.exceptions import AskError, RedisError, ResponseError
 
 from .redis.backend import Backend, Node
+from .redis.envelope import unpack
+from .redis.keys import feed_channel, room_channel
 from .redis.pubsub import ShardReader
-from .redis.store import History, Store, feed_channel, room_channel
+from .redis.records import History
+from .redis.store import Store
 from .transport.frames import binary_frame, text_frame
 
 log = logging.getLogger("gateway.hub")
@@ -513,18 +516,12 @@ class Hub:
                 member.deliver_feed(frame)
 
     def _on_room_message(self, room: Room, data: bytes) -> None:
-        # "<epoch>|<seq>|<stream id>:<pos>|<frame>", the parts that do not apply empty.
-        epoch, seq_text, stream, json = data.split(b"|", 3)
-        seq = int(seq_text) if seq_text else None
-        position = None
-        if stream:
-            stream_id, _, pos = stream.rpartition(b":")
-            position = (stream_id.decode(), int(pos))
-        frame = Frame(json, seq, position)
+        epoch, seq, stream, json = unpack(data)
+        frame = Frame(json, seq, stream)
         if room.repairing:
-            room.backlog.append((epoch.decode(), seq, frame))
+            room.backlog.append((epoch, seq, frame))
             return
-        self._advance(room, epoch.decode() if seq is not None else "", frame)
+        self._advance(room, epoch, frame)
 
     def _advance(self, room: Room, epoch: str, frame: Frame) -> None:
         seq = frame.seq

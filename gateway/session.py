@@ -41,7 +41,7 @@ from .errors import Rejected
 from .events import now_ms
 from .hub import Frame
 from .recovery import plan_replay
-from .redis.store import Meta
+from .redis.records import Meta
 from .transport.outbound import outbound_for
 
 if TYPE_CHECKING:

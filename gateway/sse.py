@@ -42,7 +42,7 @@ from .auth import Principal
 from .errors import Rejected
 from .hub import Frame, Hub
 from .recovery import plan_replay
-from .redis.store import Meta, OpenStream
+from .redis.records import Meta, OpenStream
 
 if TYPE_CHECKING:
     from .runtime import Gateway

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from gateway.redis.store import room_channel
+from gateway.redis.keys import room_channel
 
 from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port

@@ -21,7 +21,8 @@ import redis.asyncio as aioredis
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
 from gateway.redis.backend import Backend
-from gateway.redis.store import OutEvent, Store
+from gateway.redis.records import OutEvent
+from gateway.redis.store import Store
 from gateway.sdk.client import GatewayClient, Recovery
 
 from .conftest import GatewayProcess, free_port
@@ -191,7 +192,7 @@ async def test_an_acknowledged_event_survives_a_sigkill_of_the_embedded_server(
         client = aioredis.from_url(server.url)
         store = Store(Backend.of(client, Settings()), Settings())
         for i in range(200):
-            await store.publish("durable", [OutEvent("note", b'{"i":%d}' % i)],
+            await store.publish("durable", [OutEvent(type="note", data=b'{"i":%d}' % i)],
                                 create_owner="alice")
         await client.aclose()
         assert server.process is not None

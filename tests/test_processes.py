@@ -23,7 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.redis.store import meta_key, stream_key
+from gateway.redis.keys import log_key, meta_key
 
 from .conftest import free_port
 from .publishing import publish
@@ -121,7 +121,7 @@ async def test_pubsub_loss_is_repaired_from_the_stream(gateway: Any, redis_url: 
                 frame = {"type": "note", "chat_id": chat_id, "seq": seq,
                          "ts": int(time.time() * 1000), "data": {"n": seq, "lost": True}}
                 lost.append(frame)
-                await direct.xadd(stream_key(chat_id), {"f": msgspec.json.encode(frame)},
+                await direct.xadd(log_key(chat_id), {"f": msgspec.json.encode(frame)},
                                   id=f"{seq}-0")
                 await direct.hset(meta_key(chat_id), "seq", seq)
             assert (await direct.hget(meta_key(chat_id), "epoch")).decode() == sub["epoch"]

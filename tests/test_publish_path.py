@@ -20,7 +20,7 @@ import jwt
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.redis.store import index_key, stream_key
+from gateway.redis.keys import index_key, log_key
 
 from .wsclient import connect
 
@@ -96,7 +96,7 @@ async def test_one_refused_publish_in_a_burst_leaves_the_others_intact(
     redis = aioredis.from_url(redis_url)
     async with httpx.AsyncClient(base_url=gateway.http) as http:
         epochs = {chat: await create(http, gateway, user, chat) for chat in [*chats, broken]}
-    await redis.set(stream_key(broken), "not a stream")
+    await redis.set(log_key(broken), "not a stream")
 
     jobs: list[Job] = []
     for chat in chats:
@@ -165,7 +165,7 @@ async def test_one_refused_publish_in_a_burst_leaves_the_others_intact(
                     ).status_code == 404
 
             # The failed script calls wrote nothing: repaired, the broken chat starts at 1.
-            await redis.delete(stream_key(broken))
+            await redis.delete(log_key(broken))
             resp = await http.post(f"/v1/conversations/{broken}/events",
                                    json={"type": "note", "data": {"after": "repair"}},
                                    headers=gateway.headers("agent", "service"))
@@ -293,7 +293,7 @@ async def test_a_publish_not_replicated_in_time_is_not_acknowledged(
                 assert "stored, but 0 of 1 replicas" in error["message"]
             await ws.wait_for(lambda f: f["type"] == "conversation"
                               and f["title"] == "Unconfirmed" and f["last_seq"] == 2)
-        assert await client.xlen(stream_key(chat_id)) == 2
+        assert await client.xlen(log_key(chat_id)) == 2
         assert await client.zscore(index_key("owner"), chat_id) is not None
     finally:
         await client.aclose()

@@ -1,20 +1,8 @@
-"""Redis Streams storage: publish (one Lua call), history ranges, conversation state.
+"""The gateway's Redis reads and writes: publish, history reads, state, lists.
 
-Every key of a conversation carries the hash tag ``{chat_id}`` so each script touches one
-cluster slot, and its pub/sub channel is a sharded channel in that slot: on a cluster,
-its traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``.
-Key layout::
-
-    c:{chat}:meta        hash: owner, title, status, turn_id, started_at, goal, epoch, seq, ...
-    c:{chat}:stream      durable events, entry id "<seq>-0", field "f" = the encoded frame
-    c:{chat}:text:<type> the text of the conversation's open stream of a streamed type
-                         (its id, turn, next position and attempt: meta field st:<type>)
-    c:{chat}:idem:<key>  first result of an idempotent publish or message (TTL)
-    c:{chat}:ev          sharded pub/sub channel of the room
-    {u:<user>}:feed      sharded pub/sub channel of a user's conversation feed
-    {u:<user>}:convs     sorted set: the user's conversations by last change
-
-The agent inbox, turn deadlines and the hand-off outbox are :mod:`gateway.inbox`'s.
+Each conversation change is one Lua script on the conversation's slot (:mod:`.scripts`
+builds its arguments and decodes its reply); the hot calls go through the auto-pipeline
+(:mod:`.pipeline`). Where keys live is :mod:`.keys`'s.
 """
 
 from __future__ import annotations
@@ -22,63 +10,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from importlib import resources
 from typing import Any
-
-import msgspec
 
 from ..config import Settings
 from ..errors import Rejected
 from .backend import Backend
-from .pipeline import AutoPipeline, Script
-
-
-def meta_key(chat_id: str) -> str:
-    return f"c:{{{chat_id}}}:meta"
-
-
-def stream_key(chat_id: str) -> str:
-    return f"c:{{{chat_id}}}:stream"
-
-
-def text_key(chat_id: str, stream_type: str) -> str:
-    return f"c:{{{chat_id}}}:text:{stream_type}"
-
-
-def idem_key(chat_id: str, key: str) -> str:
-    return f"c:{{{chat_id}}}:idem:{key}"
-
-
-def room_channel(chat_id: str) -> str:
-    return f"c:{{{chat_id}}}:ev"
-
-
-def feed_channel(user_id: str) -> str:
-    return f"{{u:{user_id}}}:feed"
-
-
-def index_key(user_id: str) -> str:
-    return f"{{u:{user_id}}}:convs"
-
-
-class OutEvent(msgspec.Struct, frozen=True):
-    """One event to append. ``data`` is a JSON object (raw text for ``title``)."""
-
-    type: str
-    data: bytes
-    durable: bool = True
-    extra: str = ""
-
-
-class Published(msgspec.Struct, frozen=True):
-    epoch: str
-    seqs: list[int | None]
-    last_seq: int
-    owner: str
-    duplicate: bool
-    ts: int
-    note: str
-    created: bool = False
+from .keys import feed_channel, index_key, meta_key
+from .pipeline import AutoPipeline
+from .records import History, Meta, OutEvent, Published
+from .scripts import DeleteScript, PublishScript, ReadScript, RotateScript
 
 
 class NotReplicated(Rejected):
@@ -89,74 +29,6 @@ class NotReplicated(Rejected):
     def __init__(self, message: str, result: Published | None = None) -> None:
         super().__init__("replication_timeout", message)
         self.result = result
-
-
-class Meta(msgspec.Struct, frozen=True):
-    """A conversation's state as stored in its meta hash."""
-
-    owner: str
-    epoch: str
-    seq: int
-    status: str
-    title: str | None
-    turn_id: str | None
-    started_at: int | None
-    goal: bytes | None
-    preview: str | None
-    created_at: int
-    updated_at: int
-
-    @classmethod
-    def from_hash(cls, raw: dict[bytes, bytes]) -> Meta | None:
-        if not raw or b"epoch" not in raw:
-            return None
-        get = raw.get
-
-        def text(name: bytes) -> str | None:
-            value = get(name, b"")
-            return value.decode() if value else None
-
-        def number(name: bytes) -> int | None:
-            value = get(name, b"")
-            return int(value) if value else None
-
-        return cls(
-            owner=raw[b"owner"].decode(),
-            epoch=raw[b"epoch"].decode(),
-            seq=int(raw[b"seq"]),
-            status=raw[b"status"].decode(),
-            title=text(b"title"),
-            turn_id=text(b"turn_id"),
-            started_at=number(b"started_at"),
-            goal=get(b"goal") or None,
-            preview=text(b"preview"),
-            created_at=number(b"created_at") or 0,
-            updated_at=number(b"updated_at") or number(b"created_at") or 0,
-        )
-
-
-class OpenStream(msgspec.Struct, frozen=True):
-    """A streamed answer not yet committed: its text so far and its next position."""
-
-    id: str
-    type: str
-    turn_id: str
-    text: str
-    pos: int
-
-    @classmethod
-    def parse(cls, kind: bytes, header: bytes, text: bytes) -> OpenStream:
-        stream_id, turn_id, pos, _attempt = header.decode().split(" ")
-        return cls(stream_id, kind.decode(), turn_id, text.decode(errors="replace"), int(pos))
-
-
-class History(msgspec.Struct, frozen=True):
-    """A conversation's state, open streams and the durable frames after some seq, read
-    atomically."""
-
-    meta: Meta | None
-    frames: list[tuple[int, bytes]]
-    streams: list[OpenStream] = []
 
 
 class Epochs:
@@ -174,17 +46,11 @@ class Epochs:
         return f"{self._prefix}{next(self._count):x}"
 
 
-def _as_dict(reply: Any) -> dict[bytes, bytes]:
-    """A hash as a raw reply gives it: a flat list (RESP2) or a map (RESP3)."""
-    if isinstance(reply, dict):
-        return reply
-    return dict(zip(reply[::2], reply[1::2], strict=True))
-
-
-def _script(name: str) -> str:
-    """A script's source with ``lua/lib.lua`` (the shared functions) in front of it."""
-    lua = resources.files("gateway.redis").joinpath("lua")
-    return lua.joinpath("lib.lua").read_text() + lua.joinpath(name).read_text()
+def _text_fields(reply: Any) -> dict[str, str]:
+    """A hash as HGETALL gives it (a flat list in RESP2, a map in RESP3), as text."""
+    if not isinstance(reply, dict):
+        reply = dict(zip(reply[::2], reply[1::2], strict=True))
+    return {k.decode(): v.decode() for k, v in reply.items()}
 
 
 class Store:
@@ -198,18 +64,10 @@ class Store:
         # (conversation lists) use the client directly, which routes by key itself.
         self.pipeline = AutoPipeline(backend)
         self._new_epoch = Epochs()
-        self._publish = Script(_script("publish.lua"))
-        self._read = Script(_script("read.lua"))
-        self._delete = Script(_script("delete.lua"))
-        self._rotate = Script(
-            "if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then "
-            "redis.call('HSET', KEYS[1], 'epoch', ARGV[2]) end")
-        self._stream_types = ",".join(settings.stream_types)
-
-    def _keys(self, chat_id: str) -> list[str]:
-        """The keys every script of a conversation gets: meta, stream, the text keys."""
-        return [meta_key(chat_id), stream_key(chat_id),
-                *(text_key(chat_id, kind) for kind in self.settings.stream_types)]
+        self._publish = PublishScript(settings)
+        self._read = ReadScript(settings)
+        self._delete = DeleteScript(settings)
+        self._rotate = RotateScript()
 
     async def publish(
         self,
@@ -218,37 +76,15 @@ class Store:
         *,
         create_owner: str = "",
         idempotency_key: str | None = None,
-        note: str = "",
         writer: str = "",
     ) -> Published:
         """Append ``events`` in order; raise :class:`Rejected` if the state refuses them."""
-        keys = self._keys(chat_id)
-        if idempotency_key is not None:
-            keys.append(idem_key(chat_id, idempotency_key))
-        args: list[Any] = [
-            room_channel(chat_id), self.settings.history_maxlen,
-            self.settings.idempotency_ttl, create_owner, self._new_epoch(), chat_id,
-            len(events), note, writer, self._stream_types, self.settings.stream_max_bytes,
-        ]
-        for event in events:
-            args += [event.type, "1" if event.durable else "0", event.data, event.extra]
-        reply, replicas = await self.pipeline.evalsha_durable(self._publish, keys, args)
-        status = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
-        fields = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
-        if status == "err":
-            raise Rejected(fields[1], fields[2])
-        result = Published(
-            epoch=fields[1],
-            seqs=[int(s) if s else None for s in fields[2].split(",")] if events else [],
-            last_seq=int(fields[3]),
-            owner=fields[4],
-            duplicate=fields[5] == "1",
-            ts=int(fields[6]),
-            note=fields[8] if len(fields) > 8 else "",
-            created=len(fields) > 9 and fields[9] == "1" and fields[5] != "1",
-        )
-        if fields[7] == "1" and not result.duplicate:
-            await self._tell_owner(result.owner, reply[10], "ZADD", result.ts, chat_id)
+        reply, replicas = await self.pipeline.evalsha_durable(*self._publish.call(
+            chat_id, events, fresh=self._new_epoch(), create_owner=create_owner,
+            writer=writer, idempotency_key=idempotency_key))
+        result = self._publish.decode(reply)
+        if result.listed and result.feed is not None:
+            await self._tell_owner(result.owner, result.feed, "ZADD", result.ts, chat_id)
         self.check_replicated(replicas, result)  # stored either way: list and feed tell it
         return result
 
@@ -260,7 +96,7 @@ class Store:
                                 f"{self.settings.wait_timeout_ms} ms; retry with the same "
                                 "idempotency key", result)
 
-    async def _tell_owner(self, owner: str, feed: bytes, *list_change: Any) -> None:
+    async def _tell_owner(self, owner: str, feed: str, *list_change: Any) -> None:
         """Change the owner's conversation list (``ZADD``/``ZREM`` and its arguments) and
         announce ``feed`` on the owner's feed. Both live in the owner's slot, not the
         conversation's, so they cannot join its script: only list-visible changes pay this
@@ -273,36 +109,31 @@ class Store:
                    create_owner: str = "") -> History:
         """The state plus up to ``limit`` durable frames with seq > ``after``, atomically;
         with ``create_owner``, a conversation that does not exist is created first."""
-        flat, entries, created, open_streams, *feed = await self.pipeline.evalsha(
-            self._read, self._keys(chat_id),
-            ["" if after is None else after, limit, create_owner, self._new_epoch(),
-             chat_id, self._stream_types])
-        meta = Meta.from_hash(_as_dict(flat))
-        if created and meta is not None:
-            await self._tell_owner(meta.owner, feed[0], "ZADD", meta.created_at, chat_id)
-        frames = [(int(entry_id.split(b"-")[0]), fields[1]) for entry_id, fields in entries]
-        streams = [OpenStream.parse(*open_streams[i:i + 3])
-                   for i in range(0, len(open_streams), 3)]
-        return History(meta, frames, streams)
+        history = self._read.decode(await self.pipeline.evalsha(*self._read.call(
+            chat_id, after, limit, create_owner=create_owner, fresh=self._new_epoch())))
+        meta = history.meta
+        if history.created and meta is not None and history.feed is not None:
+            await self._tell_owner(meta.owner, history.feed, "ZADD", meta.created_at, chat_id)
+        return history
 
     async def rotate_epoch(self, chat_id: str, epoch: str) -> None:
         """Give the conversation a new epoch if it still has ``epoch``: its history went
         backwards, so old positions must stop meaning anything."""
-        await self.pipeline.evalsha(self._rotate, [meta_key(chat_id)], [epoch, self._new_epoch()])
+        await self.pipeline.evalsha(*self._rotate.call(chat_id, epoch, self._new_epoch()))
 
     async def meta(self, chat_id: str) -> Meta | None:
-        return Meta.from_hash(_as_dict(await self.pipeline.execute("HGETALL", meta_key(chat_id))))
+        reply = await self.pipeline.execute("HGETALL", meta_key(chat_id))
+        return Meta.from_fields(_text_fields(reply))
 
     async def delete(self, chat_id: str) -> str | None:
         """Delete a conversation; returns its former owner, or None if it did not exist."""
-        reply, replicas = await self.pipeline.evalsha_durable(
-            self._delete, self._keys(chat_id), [room_channel(chat_id), chat_id])
-        if not reply:
+        reply, replicas = await self.pipeline.evalsha_durable(*self._delete.call(chat_id))
+        deleted = self._delete.decode(reply)
+        if deleted.owner is None or deleted.feed is None:
             return None
-        owner = str(reply[0].decode())
-        await self._tell_owner(owner, reply[1], "ZREM", chat_id)
+        await self._tell_owner(deleted.owner, deleted.feed, "ZREM", chat_id)
         self.check_replicated(replicas)
-        return owner
+        return deleted.owner
 
     async def migrate_lists(self) -> int:
         """Move conversation lists kept under the layout before per-user hash tags
@@ -354,7 +185,7 @@ class Store:
             metas = await pipe.execute()
         found = []
         for (chat, _), raw in zip(rows, metas, strict=True):
-            meta = Meta.from_hash(raw)
+            meta = Meta.from_fields(_text_fields(raw))
             if meta is not None:
                 found.append((chat.decode(), meta))
         return found, next_cursor

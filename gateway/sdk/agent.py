@@ -64,7 +64,8 @@ from ..errors import Rejected
 from ..events import PublishEvent, to_out_event
 from ..redis.agent_inbox import AgentInbox
 from ..redis.backend import Backend, Client
-from ..redis.store import Meta, Published, Store
+from ..redis.records import Meta, Published
+from ..redis.store import Store
 
 log = logging.getLogger("gateway.agent")
 
@@ -158,7 +159,7 @@ class Turn:
         Streamed pieces still waiting for their window go out first."""
         try:
             event = msgspec.convert({"type": type, "data": data or {}, "durable": durable,
-                                     "attempt": None if durable else self.attempt},
+                                     "attempt": self.attempt},
                                     PublishEvent)
         except msgspec.ValidationError as exc:
             raise Rejected("invalid_request", f"{type}: {exc}") from None

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from ..redis.store import Meta
+from ..redis.records import Meta
 from .agent import Turn
 
 WORD_DELAY = 0.03  # seconds between streamed words

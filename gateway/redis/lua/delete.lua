@@ -1,20 +1,21 @@
 -- Delete one conversation: tell its room and its owner's feed, then drop its keys.
+-- gateway/redis/scripts.py (DeleteScript) builds the arguments and decodes the reply.
 --
--- KEYS[1] meta hash, KEYS[2] event stream, KEYS[3..] the text keys of its streams
+-- KEYS[1] meta hash, KEYS[2] event log, KEYS[3..] the text keys of its streams
 -- ARGV[1] room channel, ARGV[2] chat id
--- Returns {owner, the feed frame that announces the deletion}, or false when the
+-- Replies {"owner", "feed": the feed frame that announces the deletion}, or {} when the
 -- conversation does not exist.
 
 local owner = redis.call('HGET', KEYS[1], 'owner')
-if not owner then return false end
+if not owner then return '{}' end
 local now = now_ms()
 local chat = cjson.encode(ARGV[2])
 local epoch = redis.call('HGET', KEYS[1], 'epoch')
 local seq = redis.call('HGET', KEYS[1], 'seq')
 redis.call('DEL', unpack(KEYS))
-redis.call('SPUBLISH', ARGV[1], '|||{"type":"deleted","chat_id":' .. chat ..
-  ',"seq":null,"ts":' .. now .. ',"data":{"epoch":' .. cjson.encode(epoch) ..
-  ',"last_seq":' .. seq .. '}}')
-return {owner, '{"type":"conversation","chat_id":' .. chat ..
+redis.call('SPUBLISH', ARGV[1], envelope(nil, nil, nil, nil,
+  '{"type":"deleted","chat_id":' .. chat .. ',"seq":null,"ts":' .. now ..
+  ',"data":{"epoch":' .. cjson.encode(epoch) .. ',"last_seq":' .. seq .. '}}'))
+return cjson.encode({owner = owner, feed = '{"type":"conversation","chat_id":' .. chat ..
   ',"title":null,"status":"idle","updated_at":' .. now .. ',"last_seq":' .. seq ..
-  ',"goal_state":null,"preview":null,"created":false,"deleted":true}'}
+  ',"goal_state":null,"preview":null,"created":false,"deleted":true}'})

@@ -1,5 +1,9 @@
 -- Shared by every script: the store prepends this file to each one when it loads it, so
--- a conversation is created, saved and announced the same way everywhere.
+-- a conversation is created, saved, announced and published the same way everywhere.
+--
+-- Every script replies with one JSON object (cjson), decoded by gateway/redis/scripts.py.
+-- cjson cannot tell an empty array from an empty object, so an empty list is left out of
+-- a reply and the Python side defaults it to [].
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -23,7 +27,7 @@ local function new_meta(owner, epoch, now)
           updated_at = tostring(now)}
 end
 
--- The meta table as HSET arguments (and as HGETALL returns it).
+-- The meta table as HSET arguments.
 local function flatten(m)
   local flat = {}
   for k, v in pairs(m) do flat[#flat + 1] = k; flat[#flat + 1] = v end
@@ -32,6 +36,28 @@ end
 
 local function save_meta(key, m)
   redis.call('HSET', key, unpack(flatten(m)))
+end
+
+-- The open stream of a streamed type: meta field "st:<type>" holds its header,
+-- "<id> <turn id> <next pos> <attempt>", and its text lives in its own key. Returns
+-- {id, turn, pos, attempt}, or nil when none is open. The one parser of the header.
+local function open_stream(m, typ)
+  local header = m['st:' .. typ]
+  if not header or header == '' then return nil end
+  local id, turn, pos, attempt = string.match(header, '^(%S+) (%S*) (%d+) (%S*)$')
+  return {id = id, turn = turn, pos = tonumber(pos), attempt = attempt}
+end
+
+local function stream_header(s)
+  return s.id .. ' ' .. s.turn .. ' ' .. s.pos .. ' ' .. s.attempt
+end
+
+-- The pub/sub envelope of every room frame: "<epoch>|<seq>|<stream id>:<pos>|<frame>",
+-- the parts that do not apply left empty. The one writer; gateway/redis/envelope.py is
+-- the one reader.
+local function envelope(epoch, seq, stream_id, pos, frame)
+  local position = stream_id and (stream_id .. ':' .. pos) or ''
+  return (seq and epoch or '') .. '|' .. (seq or '') .. '|' .. position .. '|' .. frame
 end
 
 -- The frame that tells the owner's devices (their conversation feed) about the

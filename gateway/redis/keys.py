@@ -1,0 +1,47 @@
+"""Where everything of a conversation and of a user lives in Redis.
+
+Every key of a conversation carries the hash tag ``{chat_id}``, so each script touches one
+cluster slot, and its pub/sub channel is a sharded channel in that slot: on a cluster, its
+traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``::
+
+    c:{chat}:meta        hash: owner, title, status, turn_id, started_at, goal, epoch, seq, ...
+    c:{chat}:stream      the event log (a Redis Stream): entry "<seq>-0", field "f" = frame
+    c:{chat}:text:<type> the text of the conversation's open stream of a streamed type
+                         (its header is meta field st:<type>; lua/lib.lua reads it)
+    c:{chat}:idem:<key>  first result of an idempotent publish or message (TTL)
+    c:{chat}:ev          sharded pub/sub channel of the room
+    {u:<user>}:feed      sharded pub/sub channel of a user's conversation feed
+    {u:<user>}:convs     sorted set: the user's conversations by last change
+
+The agent inbox, turn deadlines and the hand-off outbox are :mod:`.agent_inbox`'s.
+"""
+
+from __future__ import annotations
+
+
+def meta_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:meta"
+
+
+def log_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:stream"
+
+
+def text_key(chat_id: str, stream_type: str) -> str:
+    return f"c:{{{chat_id}}}:text:{stream_type}"
+
+
+def idem_key(chat_id: str, key: str) -> str:
+    return f"c:{{{chat_id}}}:idem:{key}"
+
+
+def room_channel(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:ev"
+
+
+def feed_channel(user_id: str) -> str:
+    return f"{{u:{user_id}}}:feed"
+
+
+def index_key(user_id: str) -> str:
+    return f"{{u:{user_id}}}:convs"

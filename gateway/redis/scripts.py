@@ -1,0 +1,156 @@
+"""The Lua scripts' contracts: each script's keys and arguments are built, and its reply
+decoded, here and nowhere else.
+
+A script's arguments stay positional on the wire (``ARGV``; each script's header lists
+them), but only the ``args`` method of its class here writes them. Every script replies
+with one JSON object, decoded into a typed struct of :mod:`.records`.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import msgspec
+
+from ..config import Settings
+from ..errors import Rejected
+from .keys import idem_key, log_key, meta_key, room_channel, text_key
+from .pipeline import Script
+from .records import History, Meta, OpenStream, OutEvent, Published
+
+
+def load(name: str) -> Script:
+    """A script with ``lua/lib.lua`` (the shared functions) in front of it."""
+    lua = resources.files(__package__).joinpath("lua")
+    return Script(lua.joinpath("lib.lua").read_text() + lua.joinpath(name).read_text())
+
+
+Call = tuple[Script, list[str], list[Any]]  # a script, its keys and its arguments
+
+
+def _conversation_keys(chat_id: str, settings: Settings) -> list[str]:
+    """The keys every conversation script gets: meta, log, the text keys."""
+    return [meta_key(chat_id), log_key(chat_id),
+            *(text_key(chat_id, kind) for kind in settings.stream_types)]
+
+
+class _ErrorBody(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class _Refusal(msgspec.Struct, frozen=True):
+    error: _ErrorBody
+
+
+def script_arg(event: OutEvent) -> str:
+    """The one argument ``publish.lua`` takes per event beside type, durable and data;
+    what it means depends on the type."""
+    kind = event.type
+    if kind == "user_message":
+        return event.preview
+    if kind in ("turn_start", "turn_end", "cancel_requested"):
+        return event.turn_id
+    if kind == "title":
+        return event.title_source
+    if event.durable and event.fill:
+        return f"{event.attempt} fill"
+    return event.attempt
+
+
+class PublishScript:
+    """``publish.lua``: append a batch of events to one conversation."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.script = load("publish.lua")
+        self._settings = settings
+        self._types = ",".join(settings.stream_types)
+        self._decode = msgspec.json.Decoder(Published).decode
+        self._refusal = msgspec.json.Decoder(_Refusal).decode
+
+    def call(self, chat_id: str, events: list[OutEvent], *, fresh: str, create_owner: str,
+             writer: str, idempotency_key: str | None) -> Call:
+        s = self._settings
+        keys = _conversation_keys(chat_id, s)
+        if idempotency_key is not None:
+            keys.append(idem_key(chat_id, idempotency_key))
+        args: list[Any] = [room_channel(chat_id), s.history_maxlen, s.idempotency_ttl,
+                           create_owner, fresh, chat_id, len(events), writer, self._types,
+                           s.stream_max_bytes]
+        for event in events:
+            args += [event.type, "1" if event.durable else "0", event.data, script_arg(event)]
+        return self.script, keys, args
+
+    def decode(self, reply: bytes) -> Published:
+        """The result; raises :class:`Rejected` when the script refused the batch."""
+        try:
+            result: Published = self._decode(reply)
+            return result
+        except msgspec.ValidationError:
+            refusal = self._refusal(reply)
+            raise Rejected(refusal.error.code, refusal.error.message) from None
+
+
+class _ReadReply(msgspec.Struct, frozen=True):
+    meta: dict[str, str] | None = None
+    created: bool = False
+    feed: str | None = None
+    streams: list[OpenStream] = []
+    frames: list[tuple[int, msgspec.Raw]] = []
+
+
+class ReadScript:
+    """``read.lua``: state, open streams and frames after a seq, creating if asked."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.script = load("read.lua")
+        self._settings = settings
+        self._types = ",".join(settings.stream_types)
+        self._decode = msgspec.json.Decoder(_ReadReply).decode
+
+    def call(self, chat_id: str, after: int | None, limit: int, *, create_owner: str,
+             fresh: str) -> Call:
+        return self.script, _conversation_keys(chat_id, self._settings), [
+            "" if after is None else after, limit, create_owner, fresh, chat_id, self._types]
+
+    def decode(self, reply: bytes) -> History:
+        r = self._decode(reply)
+        return History(
+            meta=Meta.from_fields(r.meta) if r.meta is not None else None,
+            frames=[(seq, bytes(frame)) for seq, frame in r.frames],
+            streams=r.streams, created=r.created, feed=r.feed)
+
+
+class Deleted(msgspec.Struct, frozen=True):
+    owner: str | None = None  # None: there was no such conversation
+    feed: str | None = None  # the feed frame that tells the owner's devices
+
+
+class DeleteScript:
+    """``delete.lua``: delete a conversation and tell its room."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.script = load("delete.lua")
+        self._settings = settings
+        self._decode = msgspec.json.Decoder(Deleted).decode
+
+    def call(self, chat_id: str) -> Call:
+        return self.script, _conversation_keys(chat_id, self._settings), [
+            room_channel(chat_id), chat_id]
+
+    def decode(self, reply: bytes) -> Deleted:
+        deleted: Deleted = self._decode(reply)
+        return deleted
+
+
+class RotateScript:
+    """A new epoch for a conversation that still has the given one (its history went
+    backwards, so old positions must stop meaning anything). Replies nothing."""
+
+    def __init__(self) -> None:
+        self.script = Script("if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then "
+                             "redis.call('HSET', KEYS[1], 'epoch', ARGV[2]) end")
+
+    def call(self, chat_id: str, epoch: str, fresh: str) -> Call:
+        return self.script, [meta_key(chat_id)], [epoch, fresh]

@@ -1,0 +1,89 @@
+"""The Lua scripts' contracts, run on a real server: what ``lua/lib.lua`` writes is what
+:mod:`gateway.redis.envelope` and :mod:`gateway.redis.scripts` read."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.config import Settings
+from gateway.errors import Rejected
+from gateway.redis.envelope import Envelope, unpack
+from gateway.redis.records import OutEvent
+from gateway.redis.scripts import Call, PublishScript, ReadScript
+
+pytestmark = pytest.mark.anyio
+
+LIB = resources.files("gateway.redis").joinpath("lua", "lib.lua").read_text()
+PACK = LIB + """
+local seq = ARGV[2] ~= '' and tonumber(ARGV[2]) or nil
+local stream_id = ARGV[3] ~= '' and ARGV[3] or nil
+return envelope(ARGV[1], seq, stream_id, ARGV[4], ARGV[5])
+"""
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("e7", "12", "", "", '{"type":"note","seq":12}'),
+     Envelope("e7", 12, None, b'{"type":"note","seq":12}')),
+    (("e7", "", "se7.1", "3", '{"type":"delta","data":{"text":"a|b"}}'),
+     Envelope("", None, ("se7.1", 3), b'{"type":"delta","data":{"text":"a|b"}}')),
+    (("e7", "", "", "", '{"type":"typing","data":{"x":"|||"}}'),
+     Envelope("", None, None, b'{"type":"typing","data":{"x":"|||"}}')),
+])
+async def test_the_lua_envelope_is_what_python_unpacks(
+        redis_url: str, args: tuple[str, ...], expected: Envelope) -> None:
+    client = aioredis.from_url(redis_url)
+    try:
+        packed = await client.eval(PACK, 0, *args)  # type: ignore[misc]
+    finally:
+        await client.aclose()
+    assert unpack(packed) == expected
+
+
+async def test_publish_and_read_replies_decode_into_their_structs(
+        redis_url: str, chat_id: str) -> None:
+    settings = Settings(redis_url=redis_url)
+    publish, read = PublishScript(settings), ReadScript(settings)
+    client = aioredis.from_url(redis_url)
+
+    async def run(call: Call) -> bytes:
+        script, keys, args = call
+        reply: bytes = await client.eval(script.source, len(keys), *keys, *args)  # type: ignore[misc]
+        return reply
+
+    try:
+        created = publish.decode(await run(publish.call(
+            chat_id, [OutEvent(type="note", data=b'{"n":1}'),
+                      OutEvent(type="typing", data=b"{}", durable=False)],
+            fresh="e1", create_owner="alice", writer="", idempotency_key="k")))
+        assert (created.epoch, created.seqs, created.last_seq, created.owner) == (
+            "e1", [1, None], 1, "alice")
+        assert created.created and created.listed and not created.duplicate
+        assert created.feed is not None and '"created":true' in created.feed
+        again = publish.decode(await run(publish.call(
+            chat_id, [OutEvent(type="note", data=b'{"n":1}')], fresh="e2", create_owner="",
+            writer="", idempotency_key="k")))
+        assert again.duplicate and again.seqs == [1, None] and not again.created
+        started = publish.decode(await run(publish.call(
+            chat_id, [OutEvent(type="turn_start", data=b"{}", turn_id="t1")], fresh="e3",
+            create_owner="", writer="", idempotency_key=None)))
+        assert started.turn_id == "t1" and started.seqs == [2]
+        with pytest.raises(Rejected) as refused:
+            publish.decode(await run(publish.call(
+                chat_id, [OutEvent(type="note", data=b"{}")], fresh="e4", create_owner="",
+                writer="bob", idempotency_key=None)))
+        assert refused.value.code == "forbidden"
+
+        history = read.decode(await run(read.call(chat_id, 0, 10, create_owner="",
+                                                  fresh="e5")))
+        assert history.meta is not None and history.meta.owner == "alice"
+        assert history.meta.status == "running" and history.meta.turn_id == "t1"
+        assert [seq for seq, _ in history.frames] == [1, 2]
+        assert history.frames[0][1].startswith(b'{"type":"note"')
+        missing = read.decode(await run(read.call(chat_id + "-none", None, 10,
+                                                  create_owner="", fresh="e6")))
+        assert missing.meta is None and missing.frames == [] and not missing.created
+    finally:
+        await client.aclose()
