@@ -663,7 +663,7 @@ async def test_the_worker_sdk_coalesces_deltas_unless_its_window_is_zero(
     assert [d["data"]["text"] for d in of_type(one_each, "delta")] == TINY
 
 
-async def test_a_worker_delta_past_the_stream_limit_is_refused_and_the_rest_stays_exact(
+async def test_a_worker_stream_past_the_limit_takes_no_more_and_stays_a_prefix(
         start_gateway: Any, redis_url: str, group: str, user: str, chat_id: str) -> None:
     limit = 40  # bytes
     gw = start_gateway(stream_max_bytes=limit)
@@ -682,11 +682,11 @@ async def test_a_worker_delta_past_the_stream_limit_is_refused_and_the_rest_stay
 
     async def immediate(turn: Turn) -> None:  # window 0: refused by the delta itself
         await turn.delta("日" * 10)  # 30 bytes
-        try:
-            await turn.delta("b" * 11)
-        except Rejected as exc:
-            refused.append(("delta", exc.code))
-        await turn.delta("c" * 10)  # exactly 40: still fits
+        for piece in ("b" * 11, "c" * 10):  # the second would fit: refused all the same
+            try:
+                await turn.delta(piece)
+            except Rejected as exc:
+                refused.append(("delta", exc.code))
         await turn.message()
 
     results: list[list[Frame]] = []
@@ -700,7 +700,7 @@ async def test_a_worker_delta_past_the_stream_limit_is_refused_and_the_rest_stay
                 await send_message(ws, chat, "go")
                 await read_until(ws, screen, of("turn_end"), timeout=30)
                 results.append(screen.frames)
-                expected = "é" * 10 if handler is coalesced else "日" * 10 + "c" * 10
+                expected = "é" * 10 if handler is coalesced else "日" * 10
                 [message] = [f for f in screen.frames if f.get("type") == "message"]
                 sid = message["data"]["stream_id"]
                 assert message["data"] == {"stream_id": sid, "text": expected}
@@ -710,4 +710,5 @@ async def test_a_worker_delta_past_the_stream_limit_is_refused_and_the_rest_stay
             assert [e["type"] for e in events] == ["user_message", "turn_start", "message",
                                                    "turn_end"]
             assert events[2]["data"]["text"] == expected
-    assert refused == [("message", "stream_too_large"), ("delta", "stream_too_large")]
+    assert refused == [("message", "stream_too_large"), ("delta", "stream_too_large"),
+                       ("delta", "stream_too_large")]

@@ -156,8 +156,9 @@ async def test_a_new_attempt_discards_the_old_stream_first(
         assert [s["text"] for s in screen.streams.values()] == ["second try"]
 
 
-async def test_a_delta_past_the_stream_limit_is_refused_and_nothing_changes(
+async def test_a_stream_that_refused_a_delta_for_size_refuses_every_later_one(
         start_gateway: Any, user: str, chat_id: str) -> None:
+    """Its text stays a prefix of what the agent sent: never a hole in the middle."""
     gw = start_gateway(stream_max_bytes=10)
     async with connect(gw.url(user)) as ws:
         await ws.subscribe(chat_id)
@@ -165,11 +166,57 @@ async def test_a_delta_past_the_stream_limit_is_refused_and_nothing_changes(
         assert (await post(gw, chat_id, delta("12345"))).status_code == 200
         refused = await post(gw, chat_id, delta("678901"))
         assert refused.status_code == 413 and refused.json()["error"]["code"] == "stream_too_large"
-        assert (await post(gw, chat_id, delta("67890"))).status_code == 200
+        for later in (delta("67890"), delta("6")):  # would fit: refused all the same
+            again = await post(gw, chat_id, later)
+            assert again.status_code == 413, again.text
+            assert again.json()["error"]["code"] == "stream_too_large"
+        other = await post(gw, chat_id, delta("r", kind="reasoning_delta"))
+        assert other.status_code == 200  # another type's stream is its own
         async with connect(gw.url(user)) as late:
             joined = await late.subscribe(chat_id)
-            assert [(s["text"], s["pos"]) for s in joined["snapshot"]["streams"]] == [
-                ("1234567890", 2)]
+            assert sorted((s["type"], s["text"], s["pos"])
+                          for s in joined["snapshot"]["streams"]) == [
+                ("delta", "12345", 1), ("reasoning_delta", "r", 1)]
+        # A commit ends the refused stream; the next delta opens a new one.
+        assert (await post(gw, chat_id, {"type": "message", "data": {}})).status_code == 200
+        assert (await post(gw, chat_id, delta("next"))).status_code == 200
+        async with connect(gw.url(user)) as late:
+            joined = await late.subscribe(chat_id)
+            texts = {s["type"]: s["text"] for s in joined["snapshot"]["streams"]}
+            assert texts["delta"] == "next"
+
+
+async def test_a_refused_stream_stays_a_prefix_whatever_the_batch_sizes(
+        start_gateway: Any, user: str, chat_id: str) -> None:
+    """Tokens sent in batches of varying sizes (as the worker coalesces them): once one
+    batch is refused for size, every later one is too, and the stream's text is exactly
+    the batches accepted before it."""
+    limit = 64
+    gw = start_gateway(stream_max_bytes=limit)
+    rng = random.Random(17)
+    for round_ in range(4):
+        chat = f"{chat_id}-{round_}"
+        async with connect(gw.url(user)) as ws:
+            await ws.subscribe(chat)
+            await start_turn(ws, chat)
+            accepted, refusals, sent = "", 0, 0
+            while sent < 3 * limit:
+                tokens = [rng.choice("abcdefgh") * rng.randint(1, 9)
+                          for _ in range(rng.randint(1, 4))]
+                batch = [delta(t) for t in tokens]
+                reply = await post(gw, chat, *batch)
+                sent += sum(len(t) for t in tokens)
+                if reply.status_code == 200:
+                    assert refusals == 0, "a delta was accepted after a refusal"
+                    accepted += "".join(tokens)
+                else:
+                    assert reply.json()["error"]["code"] == "stream_too_large"
+                    refusals += 1
+            assert refusals > 0 and len(accepted) <= limit
+            async with connect(gw.url(user)) as late:
+                joined = await late.subscribe(chat)
+                [stream] = joined["snapshot"]["streams"]
+                assert stream["text"] == accepted
 
 
 async def test_subscribing_at_random_points_of_a_fast_answer_rebuilds_it_exactly(

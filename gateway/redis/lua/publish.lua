@@ -30,6 +30,10 @@
 --                 "<attempt> fill": closes the open stream (data gets "stream_id", and
 --                 "text" with fill).
 --
+-- A stream that refused a delta for size refuses every later delta of its run (meta field
+-- "full:<type>" = "<turn id> <attempt>", until a commit or the turn's end): its text stays a
+-- prefix of what the agent sent, never a text with a hole in the middle.
+--
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
 -- this batch started or cancelled), "created", "feed" (the feed frame to announce, when
@@ -83,8 +87,8 @@ end
 
 local function close_stream(typ)
   redis.call('DEL', text_key[typ])
-  redis.call('HDEL', meta, 'st:' .. typ)
-  m['st:' .. typ] = nil
+  redis.call('HDEL', meta, 'st:' .. typ, 'full:' .. typ)
+  m['st:' .. typ], m['full:' .. typ] = nil, nil
 end
 
 local function discard(typ, s)
@@ -118,7 +122,7 @@ local function delta_text(data)
 end
 
 -- First pass: check every precondition against the state the batch would create,
--- so a refused batch writes nothing.
+-- so a refused batch writes nothing (but the mark of a stream refused for size).
 local status, turn = m.status, m.turn_id
 local streamed_bytes = {}  -- type -> bytes the open stream would hold
 for i = 0, n - 1 do
@@ -139,14 +143,17 @@ for i = 0, n - 1 do
     end
   elseif text_key[typ] and not durable and status == 'running' then
     local size = streamed_bytes[typ]
+    local run = turn .. ' ' .. arg
     if size == nil then
       local s = open_stream(m, typ)
       size = (s and s.turn == turn and s.attempt == arg) and redis.call('STRLEN', text_key[typ]) or 0
+      if m['full:' .. typ] == run then size = math.huge end
     end
     size = size + #delta_text(data)
     if size > max_text then
+      redis.call('HSET', meta, 'full:' .. typ, run)
       return refuse('stream_too_large', 'the ' .. typ .. ' stream would pass ' .. max_text ..
-                    ' bytes')
+                    ' bytes; it takes no more deltas until it is committed')
     end
     streamed_bytes[typ] = size
   elseif streamed_type[typ] and durable then
@@ -210,6 +217,7 @@ for i = 0, n - 1 do
              ',"stream_id":' .. cjson.encode(s.id) .. ',"partial":true}')
         close_stream(streamed)
       end
+      if m['full:' .. streamed] then close_stream(streamed) end
     end
     local latency = now - tonumber(m.started_at)
     local goal = m.goal ~= '' and m.goal or 'null'
@@ -256,7 +264,7 @@ for i = 0, n - 1 do
       end
       data = splice(data, fields)
     end
-    if s then
+    if s or m['full:' .. streamed] then
       close_stream(streamed)
       touched['st:' .. streamed] = nil
     end
