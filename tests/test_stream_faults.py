@@ -29,6 +29,7 @@ from gateway.errors import Rejected
 from gateway.sdk.agent import Turn
 from gateway.sdk.client import Event, GatewayClient, StreamReset
 
+from .faults import until
 from .test_agent import (
     agent_process,
     agent_worker,
@@ -58,6 +59,25 @@ async def stream_half_then_die(turn: Turn) -> None:
     for piece in PIECES[: len(PIECES) // 2]:
         await turn.delta(piece)
         await turn.flush()  # out now: every device holds this partial answer
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def answer_then_die_before_turn_end(turn: Turn) -> None:
+    """The first attempt streams and commits the whole answer, then dies before its
+    ``turn_end``: the next attempt's commit is a duplicate of this one."""
+    for piece in PIECES:
+        await turn.delta(piece)
+    await turn.message()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def answer_then_die_before_ack(turn: Turn) -> None:
+    """The first attempt answers and ends its turn, then dies before the inbox entry is
+    acknowledged: the turn is redelivered, already over."""
+    for piece in PIECES:
+        await turn.delta(piece)
+    await turn.message()
+    await turn.end()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -340,6 +360,56 @@ async def test_a_worker_killed_mid_answer_is_discarded_then_answered_once(
     assert [e["type"] for e in events] == ["user_message", "turn_start", "message", "turn_end"]
     assert events[2]["data"]["text"] == ANSWER and "partial" not in events[2]["data"]
     assert await pending(redis_url, group) == 0
+
+
+@pytest.mark.parametrize("crash", ["answer_then_die_before_turn_end",
+                                   "answer_then_die_before_ack"])
+async def test_a_worker_killed_after_its_answer_leaves_one_message(
+        crash: str, gateway: Any, redis_url: str, group: str, user: str,
+        chat_id: str) -> None:
+    """The redelivered turn runs again: its commit is absorbed as a duplicate (same
+    idempotency key), so the stream it opened meanwhile is discarded on every device, and
+    its turn_end commits no second, partial message. (Killed mid-stream: the test above.)"""
+    taken: list[Turn] = []
+
+    async def answer_again(turn: Turn) -> None:
+        taken.append(turn)
+        for piece in PIECES[:5]:  # the second run's answer differs: only the first counts
+            await turn.delta(piece.upper())
+            await turn.flush()
+        await turn.message()
+
+    async with asyncio.timeout(60):
+        async with connect(gateway.url(user)) as phone, connect(gateway.url(user)) as laptop:
+            devices = [(phone, Screen()), (laptop, Screen())]
+            for ws, screen in devices:
+                screen.apply(await ws.subscribe(chat_id))
+            async with agent_process(redis_url, f"tests.test_stream_faults:{crash}",
+                                     group) as proc:
+                await send_message(phone, chat_id, "tell me everything")
+                async with asyncio.timeout(15):
+                    assert await proc.wait() == -signal.SIGKILL
+            assert await pending(redis_url, group) == 1  # the dead worker's entry
+            async with agent_worker(redis_url, answer_again, group, claim_idle=0.5) as worker:
+                for ws, screen in devices:
+                    await read_until(ws, screen, of("turn_end"), timeout=30)
+                assert await until(lambda: worker.stats["handled"] + worker.stats["skipped"] == 1)
+            assert worker.stats["reclaimed"] == 1 and await pending(redis_url, group) == 0
+            # Ended before the crash: not run again. Else run again, and absorbed.
+            assert len(taken) == (0 if crash == "answer_then_die_before_ack" else 1)
+
+    for _, screen in devices:
+        [message] = [f for f in screen.frames if f.get("type") == "message"]
+        assert message["data"]["text"] == ANSWER and "partial" not in message["data"]
+        assert screen.streams == {}  # nothing left open: no partial answer on screen
+        second = {f["stream"]["id"] for f in screen.frames
+                  if "stream" in f and f["stream"]["id"] != message["data"]["stream_id"]}
+        assert sorted(screen.discarded) == sorted(second)
+        assert [e["data"]["reason"] for e in screen.events if e["type"] == "turn_end"] == [
+            "complete"]
+    events = await history(gateway, user, chat_id)
+    assert [e["type"] for e in events] == ["user_message", "turn_start", "message", "turn_end"]
+    assert events[2]["data"]["text"] == ANSWER and "partial" not in events[2]["data"]
 
 
 # --- 3. the Python SDK sees a position jump ------------------------------------------------

@@ -28,7 +28,8 @@
 --                 of another attempt is discarded first
 --   its commit type (durable `message` for `delta`, `X` for `X_delta`)  "<attempt>" or
 --                 "<attempt> fill": closes the open stream (data gets "stream_id", and
---                 "text" with fill).
+--                 "text" with fill). Replayed with the same idempotency key, it discards the
+--                 stream its attempt opened since: the first commit holds the answer.
 --
 -- A stream that refused a delta for size refuses every later delta of its run (meta field
 -- "full:<type>" = "<turn id> <attempt>", until a commit or the turn's end): its text stays a
@@ -108,6 +109,16 @@ if idem then
            turn_id = r[9], created = false, listed = false}
     end
     r.duplicate, r.created, r.listed = true, false, false
+    -- A commit replayed by a redelivered run: the answer is in history already, so the
+    -- stream this run opened since is dropped on every device (never a second message).
+    for i = 0, n - 1 do
+      local typ, durable, _, arg = event(i)
+      local streamed = durable and streamed_type[typ]
+      local s = streamed and open_stream(m, streamed)
+      if s and s.turn == m.turn_id and s.attempt == commit_arg(arg) then
+        discard(streamed, s)
+      end
+    end
     return cjson.encode(r)
   end
 end
