@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import protocol as p
 from . import sse
-from .auth import Principal
+from .auth import Principal, check_access
 from .errors import Rejected
 from .events import PublishBatch, PublishEvent
 from .redis.records import Meta
@@ -140,12 +140,7 @@ async def _read_body(request: Request) -> bytes:
 
 
 async def _owned(request: Request, who: Principal, chat_id: str) -> Meta:
-    meta = await _gateway(request).store.meta(chat_id)
-    if meta is None:
-        raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
-    if not who.may_access(meta.owner):
-        raise Rejected("forbidden", "you may not access this conversation")
-    return meta
+    return check_access(who, await _gateway(request).store.meta(chat_id), chat_id)
 
 
 def conversation_view(chat_id: str, meta: Meta) -> dict[str, Any]:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jwt
 import msgspec
+
+from .errors import Rejected
+
+if TYPE_CHECKING:
+    from .redis.records import Meta
 
 ALGORITHM = "HS256"
 
@@ -35,6 +40,16 @@ class Principal(msgspec.Struct, frozen=True):
     def writer(self) -> str:
         """The owner a store write must check for ("" lets a service write anywhere)."""
         return "" if self.is_service else self.user_id
+
+
+def check_access(who: Principal, meta: Meta | None, chat_id: str) -> Meta:
+    """The one ownership check of a read: the conversation's state if ``who`` may have it,
+    else ``not_found`` or ``forbidden``."""
+    if meta is None:
+        raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
+    if not who.may_access(meta.owner):
+        raise Rejected("forbidden", "you may not access this conversation")
+    return meta
 
 
 def issue_token(secret: str, sub: str, role: Role = "user", ttl: float = 3600.0) -> str:

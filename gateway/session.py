@@ -39,9 +39,11 @@ from .closecodes import (
 )
 from .errors import Rejected
 from .events import now_ms
-from .hub import Frame
-from .recovery import plan_replay
+from .frames import Frame
 from .redis.records import Meta
+from .rooms import Seat
+from .streams import snapshot
+from .sync import catch_up, merge
 from .transport.outbound import outbound_for
 
 if TYPE_CHECKING:
@@ -61,24 +63,21 @@ class State(Enum):
     BUFFERING = "buffering"
 
 
-class Subscription:
-    __slots__ = ("buffer", "buffer_bytes", "direct", "epoch", "last_seq", "overflowed",
-                 "pending", "resync", "state", "stream_floor", "unsubscribed_at")
+class Subscription(Seat):
+    """One chat of this connection: its seat in the room (its cursor: the last durable seq
+    sent, stale while direct), its state, and the frames it holds back."""
 
-    def __init__(self) -> None:
+    __slots__ = ("buffer", "buffer_bytes", "overflowed", "pending", "resync", "state",
+                 "unsubscribed_at")
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(session, session.out.write, session.binary)
         self.state = State.SYNCING
         self.pending: list[Frame] = []
         self.buffer: list[Frame] = []
         self.buffer_bytes = 0
         self.unsubscribed_at = 0.0
         self.overflowed = False
-        self.epoch = ""
-        self.last_seq = 0  # last durable seq this connection was sent (stale while direct)
-        self.direct = False  # in the room's direct set: the room's position is ours
-        # After a snapshot: stream id -> its position then. A delta below it is in the text
-        # already; it may still come through pub/sub until the first frame published after
-        # the snapshot's read goes by (channel order), which ends the need for this.
-        self.stream_floor: dict[str, int] | None = None
         self.resync = False  # the history changed under a read in flight: read again
 
 
@@ -172,35 +171,25 @@ class Session:
         self._closing = True
         self._leave_all_direct()
 
-    # --- the room's direct set --------------------------------------------------------
+    # --- the room's direct set (the room decides) -------------------------------------
 
     def _try_direct(self, chat_id: str, sub: Subscription) -> None:
-        write = self.out.write
-        if (write is None or sub.direct or sub.state is not State.LIVE or self._closing
-                or self.out.paused or sub.stream_floor is not None):
+        if sub.direct or sub.state is not State.LIVE or self._closing or self.out.paused:
             return
         room = self.hub.room(chat_id)
-        if room is not None and room.last_seq == sub.last_seq and room.epoch == sub.epoch:
-            room.go_direct(self, write, self.binary)
-            sub.direct = True
+        if room is not None:
+            room.go_direct(sub)
 
     def _leave_direct(self, chat_id: str, sub: Subscription) -> None:
-        if not sub.direct:
-            return
-        sub.direct = False
-        room = self.hub.room(chat_id)
-        if room is not None and self.out.write is not None:
-            room.leave_direct(self, self.out.write, self.binary)
-            self._take_position(sub, room.epoch, room.last_seq)
+        if sub.direct:
+            room = self.hub.room(chat_id)
+            if room is not None:
+                room.leave_direct(sub)
+            sub.direct = False
 
     def _leave_all_direct(self) -> None:
         for chat_id, sub in self.subs.items():
             self._leave_direct(chat_id, sub)
-
-    def demote(self, chat_id: str) -> None:
-        sub = self.subs.get(chat_id)
-        if sub is not None:
-            self._leave_direct(chat_id, sub)  # the hub has emptied its direct sets already
 
     def resync(self, chat_id: str) -> None:
         """The chat's history was lost or forked: the client gets an unasked ``subscribed``
@@ -228,11 +217,6 @@ class Session:
         except (RedisError, ConnectionError, OSError, TimeoutError):
             log.exception("session %s: resync of %s failed", self.id, req.chat_id)
             self.close(BACKEND_UNAVAILABLE, "backend unavailable")
-
-    @staticmethod
-    def _take_position(sub: Subscription, epoch: str | None, seq: int | None) -> None:
-        if epoch is not None and seq is not None:
-            sub.epoch, sub.last_seq = epoch, seq
 
     # --- outbound ---------------------------------------------------------------------
 
@@ -360,7 +344,7 @@ class Session:
                 self._error("too_many_subscriptions",
                             f"at most {self.settings.max_subscriptions} subscriptions", req)
                 return
-            sub = self.subs[chat_id] = Subscription()
+            sub = self.subs[chat_id] = Subscription(self)
             try:
                 await self.hub.join(chat_id, self)
             except BaseException:
@@ -394,7 +378,7 @@ class Session:
     def _reset_to_syncing(self, chat_id: str, sub: Subscription) -> None:
         self._leave_direct(chat_id, sub)
         sub.state = State.SYNCING
-        sub.stream_floor = None
+        sub.floor = None
         sub.pending = []
         sub.buffer.clear()
         sub.buffer_bytes = 0
@@ -402,61 +386,39 @@ class Session:
 
     async def _sync(self, req: p.Subscribe, sub: Subscription, since: p.Since | None,
                     overflowed: bool | None, joined: int | None = None) -> None:
-        """Read history after ``since`` and go live with no gap and no duplicate.
-
-        The connection is already a member of the room, so every frame published from now on
-        lands in ``sub.pending``; history read afterwards overlaps it, and merging by seq
-        removes the overlap. ``joined`` is the hub's mark taken when the room was joined:
-        reads started since then may be shared.
-        """
+        """Read history after ``since`` and go live with no gap and no duplicate
+        (:mod:`~gateway.sync`). The connection is already a member of the room, so every
+        frame published from now on lands in ``sub.pending`` until it is merged.
+        ``joined`` is the hub's mark taken when the room was joined."""
         chat_id = req.chat_id
-        after = since.seq if since is not None else None
-        joined = self.hub.mark() if joined is None else joined
         create = self.principal.user_id if self.settings.auto_create else ""
-        history = await self.hub.read(chat_id, after, self.settings.replay_limit + 1, joined,
-                                      create)
-        meta = history.meta
-        if meta is None or not self.principal.may_access(meta.owner):
+        try:
+            caught = await catch_up(self.hub, chat_id, self.principal, since,
+                                    self.settings.replay_limit,
+                                    self.hub.mark() if joined is None else joined, create)
+        except Rejected as exc:
             self._drop(chat_id)
-            if meta is None:
-                self._error("not_found", "conversation does not exist", req)
-            else:
-                self._error("forbidden", "you may not read this conversation", req)
+            self._error(exc.code, exc.message, req)
             return
-        room = self.hub.room(chat_id)
-        if room is not None:
-            self.hub.observe(room, meta.epoch, meta.seq)
-        plan = plan_replay(since, meta.epoch, meta.seq, history.frames, self.settings.replay_limit)
-        streams = [p.StreamSnapshot(o.id, o.type, o.turn_id, o.text, o.pos)
-                   for o in history.streams]
+        meta, cursor = caught.meta, caught.cursor
         self._send(p.Subscribed(
-            chat_id, meta.epoch, meta.seq, plan.recovered, len(plan.frames),
-            _snapshot(meta, self.codec.binary, streams), req.id, overflowed=overflowed,
+            chat_id, meta.epoch, meta.seq, caught.recovered, len(caught.replay),
+            _snapshot(meta, self.codec.binary, snapshot(caught.streams)), req.id,
+            overflowed=overflowed,
         ))
-        await self._send_paced([Frame(json, seq) for seq, json in plan.frames])
-        last = meta.seq
-        # The snapshot holds each open stream's text up to its position: a delta before it
-        # is in that text already.
-        known = {o.id: o.pos for o in history.streams}
-        # Frames that arrived while we awaited: keep the ones history did not cover.
-        while sub.pending:
-            pending, sub.pending = sub.pending, []
-            fresh = [f for f in pending if (f.seq is None or f.seq > last)
-                     and (f.stream is None or f.stream[1] >= known.get(f.stream[0], 0))]
-            for frame in fresh:
-                if frame.seq is not None:
-                    last = frame.seq
-            await self._send_paced(fresh)
+        await self._send_paced(caught.replay)
+        while sub.pending:  # frames that arrived while we awaited
+            held, sub.pending = sub.pending, []
+            await self._send_paced(merge(cursor, held))
         if self.subs.get(chat_id) is not sub:
             return  # deleted or left while we were replaying
         if sub.resync:  # the history changed while we read it: read it again
             sub.resync = False
-            since = p.Since(last, meta.epoch)  # unasked: no request id on the second reply
+            since = p.Since(cursor.last_seq, meta.epoch)  # unasked: no request id
             await self._sync(p.Subscribe(chat_id, since), sub, since, overflowed=None)
             return
-        sub.state, sub.epoch, sub.last_seq = State.LIVE, meta.epoch, last
-        # A durable frame newer than the read already went by: so did every delta before it.
-        sub.stream_floor = known if known and last == meta.seq else None
+        sub.state = State.LIVE
+        sub.epoch, sub.last_seq, sub.floor = cursor.epoch, cursor.last_seq, cursor.floor
         self._try_direct(chat_id, sub)
 
     async def _drain_buffer(self, req: p.Subscribe, sub: Subscription) -> None:
@@ -510,15 +472,8 @@ class Session:
             return
         state = sub.state
         if state is State.LIVE:
-            if frame.seq is not None:
-                if frame.seq <= sub.last_seq:
-                    return  # already sent (a replay overlapped a gap repair)
-                sub.last_seq = frame.seq
-                sub.stream_floor = None  # published after the snapshot's read
-            elif frame.stream is not None and sub.stream_floor is not None:
-                if frame.stream[1] < sub.stream_floor.get(frame.stream[0], 0):
-                    return  # in the snapshot's text already
-                sub.stream_floor = None  # published after the snapshot's read
+            if not sub.admit(frame):
+                return  # sent already, or in the snapshot's text
             self._send_frame(frame)
             self._try_direct(chat_id, sub)
         elif state is State.SYNCING:

@@ -8,9 +8,7 @@ browser ``EventSource``, ``curl``, a serverless function). Every durable event i
     data: <the frame JSON exactly as stored>
 
 so the ``Last-Event-ID`` a client sends back on reconnect is the WebSocket ``since``, and the
-resume has the same guarantee: the response joins the hub room *before* reading history,
-``recovery.plan_replay`` decides between every missed event and none, and live frames that
-arrived meanwhile are merged by seq (no gap, no duplicate).
+resume is the WebSocket's own (:mod:`~gateway.sync`): join, read, plan, merge.
 
 Streamed deltas (an answer being written) are sent too, with ids
 ``<epoch>:<seq>:<stream id>:<pos>``. Each open stream first arrives whole, as one
@@ -18,7 +16,7 @@ Streamed deltas (an answer being written) are sent too, with ids
 ``Last-Event-ID`` shows it holds that text already; live deltas continue from there, and
 ``stream_discarded`` drops one. Other ephemeral frames are not sent.
 
-Each response is a hub :class:`~gateway.hub.Member` whose queue is bounded in bytes: fan-out
+Each response is a room :class:`~gateway.rooms.Member` whose queue is bounded in bytes: fan-out
 never waits for a slow reader. Past ``queue_max_bytes`` the stream ends and the client resumes
 with ``Last-Event-ID``, exactly as a WebSocket closed with 4008 resumes with ``since``.
 """
@@ -38,11 +36,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import protocol as p
-from .auth import Principal
+from .auth import Principal, check_access
 from .errors import Rejected
-from .hub import Frame, Hub
-from .recovery import plan_replay
+from .frames import Frame
+from .hub import Hub
 from .redis.records import Meta, OpenStream
+from .rooms import Cursor
+from .streams import held
+from .sync import catch_up
 
 if TYPE_CHECKING:
     from .runtime import Gateway
@@ -57,7 +58,6 @@ CHUNK_BYTES = 64 * 1024  # a replay is written in chunks of about this size
 # stream ids are hex-ish tokens, but any id-safe word is accepted.
 LAST_EVENT_ID_RE = re.compile(
     r"^([A-Za-z0-9_.-]{1,64}):(0|[1-9][0-9]{0,17})(?::([A-Za-z0-9_.-]{1,80}):([0-9]{1,9}))?$")
-_DISCARDED = b'{"type":"stream_discarded"'
 
 
 _encode = msgspec.json.encode
@@ -89,7 +89,7 @@ class StreamMember:
         if self.overflowed:
             return
         if (frame.seq is None and frame.stream is None and not frame.is_deleted
-                and not frame.json.startswith(_DISCARDED)):
+                and not frame.is_discard):
             return  # ephemeral: not sent over SSE
         size = frame.size
         if self.queued_bytes and self.queued_bytes + size > self.max_bytes:
@@ -102,9 +102,6 @@ class StreamMember:
 
     def deliver_feed(self, frame: Frame) -> None:
         """Never joined to a feed: conversation-list frames are WebSocket-only."""
-
-    def demote(self, chat_id: str) -> None:
-        """Never in a direct set: every frame reaches it through ``deliver``."""
 
     def resync(self, chat_id: str) -> None:
         """History lost: end the response; the reconnect gets ``event: reset``."""
@@ -215,11 +212,7 @@ async def stream(request: Request) -> Response:
     # sends the newer position in the header.
     raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
     last_id = parse_last_event_id(raw) if raw else None
-    meta = await gateway.store.meta(chat_id)
-    if meta is None:
-        raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
-    if not who.may_access(meta.owner):
-        raise Rejected("forbidden", "you may not access this conversation")
+    check_access(who, await gateway.store.meta(chat_id), chat_id)
     if request.method == "HEAD":
         return Response(media_type=MEDIA_TYPE, headers=HEADERS)
     return StreamingResponse(_events(request, gateway, who, chat_id, last_id),
@@ -228,43 +221,37 @@ async def stream(request: Request) -> Response:
 
 async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: str,
                   last_id: LastEventId | None) -> AsyncIterator[bytes]:
-    hub, store, settings = gateway.hub, gateway.store, gateway.settings
+    hub, settings = gateway.hub, gateway.settings
     since = last_id.since if last_id is not None else None
     member = StreamMember(hub, settings.queue_max_bytes)
     try:
         await hub.join(chat_id, member)
-        # Joined first: everything published from here on is in the member's queue, and
-        # the history read below overlaps it; merging by seq removes the overlap.
-        after = since.seq if since is not None else None
-        history = await store.read(chat_id, after, settings.replay_limit + 1)
-        meta = history.meta
-        if meta is None or not who.may_access(meta.owner):
+        try:
+            caught = await catch_up(hub, chat_id, who, since, settings.replay_limit, hub.mark())
+        except Rejected:
             return  # deleted (or recreated by someone else) since the check: reconnect
-        room = hub.room(chat_id)
-        if room is not None:
-            hub.observe(room, meta.epoch, meta.seq)
+        meta = caught.meta
         epoch = meta.epoch
         if since is None:
             yield state_event(b"ready", chat_id, meta, True)
         else:
-            plan = plan_replay(since, epoch, meta.seq, history.frames, settings.replay_limit)
-            if not plan.recovered:
+            if not caught.recovered:
                 yield state_event(b"reset", chat_id, meta, False)
             chunk = bytearray()
-            for seq, json in plan.frames:
-                chunk += format_event(event_type(json), json, event_id(epoch, seq))
+            for frame in caught.replay:
+                assert frame.seq is not None
+                chunk += format_event(event_type(frame.json), frame.json,
+                                      event_id(epoch, frame.seq))
                 if len(chunk) >= CHUNK_BYTES:
                     yield bytes(chunk)
                     chunk.clear()
             if chunk:
                 yield bytes(chunk)
-        last = meta.seq
-        held = last_id.stream if last_id is not None and last_id.since.epoch == epoch else None
-        for open_stream in history.streams:
-            if held != (open_stream.id, open_stream.pos - 1):  # else the client has it all
-                yield stream_event(chat_id, epoch, last, open_stream)
-        known = {o.id: o.pos for o in history.streams}
-        async for piece in _live(request, member, chat_id, epoch, last, known, who.expires_at,
+        last = last_id.stream if last_id is not None and last_id.since.epoch == epoch else None
+        for open_stream in caught.streams:
+            if not held(open_stream, last):
+                yield stream_event(chat_id, epoch, meta.seq, open_stream)
+        async for piece in _live(request, member, chat_id, caught.cursor, who.expires_at,
                                   settings.heartbeat):
             yield piece
     except (RedisError, ConnectionError, OSError, TimeoutError) as exc:
@@ -273,11 +260,11 @@ async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: s
         hub.leave(chat_id, member)
 
 
-async def _live(request: Request, member: StreamMember, chat_id: str, epoch: str, last: int,
-                known: dict[str, int], expires_at: float | None,
-                heartbeat: float) -> AsyncIterator[bytes]:
-    """Live frames with seq > ``last`` (and deltas at or past the positions ``known`` from
-    the snapshot), a ping comment when idle, until the stream must end."""
+async def _live(request: Request, member: StreamMember, chat_id: str, cursor: Cursor,
+                expires_at: float | None, heartbeat: float) -> AsyncIterator[bytes]:
+    """Live frames the ``cursor`` admits (the merge of :mod:`~gateway.sync`), a ping
+    comment when idle, until the stream must end."""
+    epoch = cursor.epoch
     while True:
         timeout = heartbeat
         if expires_at is not None:
@@ -307,24 +294,18 @@ async def _live(request: Request, member: StreamMember, chat_id: str, epoch: str
                 end = True
                 break
             seq = frame.seq
-            if seq is None:  # a streamed delta, or a stream discarded
-                stream = frame.stream
-                if stream is None or stream[1] >= known.get(stream[0], 0):
-                    out += format_event(event_type(frame.json), frame.json,
-                                        event_id(epoch, last, stream))
-                continue
-            if tagged is not None and tagged != epoch:
-                end = True  # recreated under us: the reconnect gets an explicit reset
-                break
-            if seq <= last:
-                continue
-            if seq != last + 1:
-                end = True  # a hole the hub could not fill: the reconnect replays or resets
-                break
-            out += format_event(event_type(frame.json), frame.json, event_id(epoch, seq))
-            last = seq
+            if seq is not None:
+                if tagged is not None and tagged != epoch:
+                    end = True  # recreated under us: the reconnect gets an explicit reset
+                    break
+                if seq > cursor.last_seq + 1:
+                    end = True  # a hole the hub could not fill: the reconnect replays or resets
+                    break
+            if cursor.admit(frame):
+                out += format_event(event_type(frame.json), frame.json,
+                                    event_id(epoch, cursor.last_seq, frame.stream))
         if out:
             yield bytes(out)
         if end:
-            log.info("sse %s: stream ended at seq %d", chat_id, last)
+            log.info("sse %s: stream ended at seq %d", chat_id, cursor.last_seq)
             return

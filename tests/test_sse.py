@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.hub import Frame
+from gateway.frames import Frame
 from gateway.sse import StreamMember, format_event, parse_last_event_id
 
 from .publishing import publish

@@ -455,7 +455,7 @@ def sdk_view(items: list[Any]) -> tuple[dict[str, str], list[Event], int]:
 async def test_the_sdk_resyncs_a_stream_after_pubsub_loss(
         start_gateway: Any, redis_url: str, user: str, chat_id: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="gateway.sdk.client")
+    caplog.set_level(logging.WARNING, logger="gateway.client")
     gw = start_gateway()
     streamer = Streamer(gw, chat_id, [f"t{i}ü " for i in range(5000)])
     killer = aioredis.from_url(redis_url)

@@ -1,10 +1,11 @@
 """One pub/sub connection to one Redis node: the sharded channels this process reads there.
 
 A :class:`ShardReader` owns a raw connection in pub/sub mode. It subscribes with
-``SSUBSCRIBE`` (one command per slot, as a cluster requires, all in one write), reads
-``smessage`` pushes and reports everything else to its :class:`Listener` (the hub), which
-decides what it means: a confirmation, a subscription the server dropped unasked (a slot
-moved away, a failover), a ``MOVED`` reply, a lost connection.
+``SSUBSCRIBE`` (one command per slot, as a cluster requires, all in one write), hands each
+``smessage`` push to ``deliver`` (the hub) and reports everything else to its
+:class:`Listener` (:mod:`.channels`), which decides what it means: a confirmation, a
+subscription the server dropped unasked (a slot moved away, a failover), a ``MOVED`` reply,
+a lost connection.
 
 Nothing here waits on a reply with a timeout: a pub/sub connection is silent when nothing
 is published. Instead a prober sends ``PING`` after ``probe`` seconds of silence and drops
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import hiredis
@@ -29,9 +31,10 @@ from .backend import Node
 log = logging.getLogger("gateway.pubsub")
 
 
-class Listener(Protocol):
-    def on_message(self, channel: bytes, data: bytes) -> None: ...
+Deliver = Callable[[bytes, bytes], None]  # (channel, message): a published message
 
+
+class Listener(Protocol):
     def on_subscribed(self, reader: ShardReader, channel: bytes) -> None: ...
 
     def on_dropped(self, reader: ShardReader, channel: bytes) -> None:
@@ -48,8 +51,9 @@ class Listener(Protocol):
 class ShardReader:
     """Subscribes ``wanted`` on ``node`` and keeps doing so across reconnects."""
 
-    def __init__(self, node: Node, listener: Listener, probe: float) -> None:
+    def __init__(self, node: Node, listener: Listener, deliver: Deliver, probe: float) -> None:
         self.node = node
+        self._deliver = deliver
         self.wanted: dict[bytes, None] = {}
         self.connected = False
         self._listener = listener
@@ -144,7 +148,7 @@ class ShardReader:
                 backoff = min(backoff * 2, 1.0)
 
     async def _read(self) -> None:
-        listener = self._listener
+        listener, deliver = self._listener, self._deliver
         connection = self._connection
         while True:
             try:
@@ -157,7 +161,7 @@ class ShardReader:
             self._heard()
             kind = message[0]
             if kind == b"smessage":
-                listener.on_message(message[1], message[2])
+                deliver(message[1], message[2])
             elif kind == b"ssubscribe":
                 listener.on_subscribed(self, message[1])
             elif kind == b"sunsubscribe" and message[1] in self.wanted:
