@@ -106,8 +106,8 @@ from websockets.exceptions import (
     InvalidURI,
 )
 
-from .. import protocol as p
-from ..closecodes import (
+from ... import protocol as p
+from ...closecodes import (
     BACKEND_UNAVAILABLE,
     FORBIDDEN,
     PROTOCOL_ABUSE,
@@ -115,7 +115,7 @@ from ..closecodes import (
     TOO_MANY,
     UNAUTHORIZED,
 )
-from .streams import Applied, OpenStreams, StreamText
+from ..streams import Applied, OpenStreams, StreamText
 
 __all__ = [
     "Ack",
