@@ -56,9 +56,10 @@ _decode = msgspec.json.Decoder(dict[str, Any]).decode
 
 
 class Conn:
-    """One connection that reached ``hello``: its write queue and when it was last heard."""
+    """One connection that reached ``hello``: its write queue, when it was last heard, and
+    the watchdog's ping waiting for an answer."""
 
-    __slots__ = ("gen", "heard", "hello", "queue", "ws")
+    __slots__ = ("gen", "heard", "hello", "pinged", "queue", "ws")
 
     def __init__(self, ws: ClientConnection, gen: int, hello: dict[str, Any]) -> None:
         self.ws = ws
@@ -66,6 +67,7 @@ class Conn:
         self.hello = hello
         self.queue: asyncio.Queue[Outbound] = asyncio.Queue()
         self.heard = time.monotonic()  # when the last frame arrived
+        self.pinged: float | None = None  # when the watchdog pinged, until a frame arrives
 
 
 class _Stop(Exception):
@@ -199,6 +201,7 @@ class ConnectionLoop:
         try:
             async for raw in ws:
                 conn.heard = time.monotonic()
+                conn.pinged = None  # any frame answers the watchdog's ping
                 try:
                     frame = _decode(raw)
                 except msgspec.DecodeError:
@@ -214,21 +217,25 @@ class ConnectionLoop:
         return True
 
     async def _watch(self, conn: Conn) -> None:
-        """Ping a silent connection; drop it (and so reconnect) when the ping goes unheard."""
-        pinged = False
+        """Ping a connection silent for ``idle_ping`` seconds; drop it (and so reconnect) when
+        nothing arrives within ``pong_timeout`` of the ping. Any frame received clears the
+        ping (``conn.pinged``), the pong or any other."""
         while True:
-            silent = time.monotonic() - conn.heard
-            if silent < self.idle_ping:
-                pinged = False
-                await asyncio.sleep(self.idle_ping - silent)
-            elif not pinged:
-                pinged = True
-                conn.queue.put_nowait((_encode({"type": "ping"}).decode(), None))
-                await asyncio.sleep(self.pong_timeout)
+            now = time.monotonic()
+            if conn.pinged is not None:
+                wait = conn.pinged + self.pong_timeout - now
+                if wait <= 0:
+                    log.warning("no answer for %.1fs: the connection is dead; reconnecting",
+                                now - conn.heard)
+                    conn.ws.transport.abort()
+                    return
             else:
-                log.warning("no answer for %.1fs: the connection is dead; reconnecting", silent)
-                conn.ws.transport.abort()
-                return
+                wait = conn.heard + self.idle_ping - now
+                if wait <= 0:
+                    conn.pinged = now
+                    conn.queue.put_nowait((_encode({"type": "ping"}).decode(), None))
+                    wait = self.pong_timeout
+            await asyncio.sleep(wait)
 
     def _on_hello(self, ws: ClientConnection, hello: dict[str, Any]) -> Conn:
         self._gen += 1
