@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
@@ -368,6 +369,72 @@ async def test_terminal_close_stops_with_an_error(gateway: Any, user: str,
             client.send_message(chat_id, "too late")
         with pytest.raises(TerminalError):
             await client.subscribe(chat_id)
+
+
+# --- liveness ---------------------------------------------------------------------------
+
+
+async def stays_connected(client: GatewayClient, seconds: float) -> None:
+    """Assert that ``client`` keeps its connection for ``seconds`` (waiting to be dropped)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        async with asyncio.timeout(seconds):
+            await client.wait_disconnected()
+    except TimeoutError:
+        return
+    raise AssertionError(f"dropped after {loop.time() - started:.1f}s "
+                         f"(connection #{client.connections}): {client.last_close}")
+
+
+async def test_answered_pings_keep_an_idle_connection(gateway: Any, user: str) -> None:
+    # Short timers: twenty ping/pong rounds in four seconds, the connection stays.
+    async with GatewayClient(gateway.ws, token_factory=lambda: gateway.token(user),
+                             idle_ping=0.1, pong_timeout=0.1) as client:
+        first = client.hello["connection_id"]
+        await stays_connected(client, 4)
+        assert client.connections == 1 and client.hello["connection_id"] == first
+
+
+@pytest.mark.slow
+async def test_an_idle_client_keeps_one_connection_for_a_minute(gateway: Any, user: str,
+                                                                chat_id: str) -> None:
+    # The default timers: a ping after 5 s of silence, given up 5 s later when nothing came.
+    # Every answered ping must count as a frame heard, for the six rounds of a minute.
+    async with GatewayClient(gateway.ws, token_factory=lambda: gateway.token(user)) as client:
+        assert (client.idle_ping, client.pong_timeout) == (5.0, 5.0)
+        await client.subscribe(chat_id)
+        first = client.hello["connection_id"]
+        await stays_connected(client, 60)
+        assert client.connections == 1 and client.hello["connection_id"] == first
+        assert isinstance(await client.ping(), int)
+
+
+async def test_a_silently_dead_connection_is_dropped_within_10_s(start_gateway: Any,
+                                                                  user: str,
+                                                                  chat_id: str) -> None:
+    gw = start_gateway()
+    assert gw.proc is not None
+    async with GatewayClient(gw.ws, token_factory=lambda: gw.token(user), **FAST) as client:
+        assert (client.idle_ping, client.pong_timeout) == (5.0, 5.0)
+        await client.subscribe(chat_id)
+        first = client.hello["connection_id"]
+        # A quiet second, so the last frame heard is a second old when the gateway stops:
+        # a dead connection is dropped idle_ping + pong_timeout (10 s) after the last frame.
+        await stays_connected(client, 1)
+        # A stopped process: its kernel still acknowledges the client's packets, nothing
+        # answers, nothing closes (no FIN, no RST).
+        gw.proc.send_signal(signal.SIGSTOP)
+        try:
+            async with asyncio.timeout(10):
+                await client.wait_disconnected()
+        finally:
+            gw.proc.send_signal(signal.SIGCONT)
+        async with asyncio.timeout(30):
+            await client.wait_connected()
+        assert client.connections == 2 and client.hello["connection_id"] != first
+        await publish(gw, chat_id, {"type": "note", "data": {"n": 1}})  # resubscribed
+        assert seqs(await take(client.events(chat_id), 1)) == [1]
 
 
 # --- gateway tail -----------------------------------------------------------------------

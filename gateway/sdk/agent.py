@@ -1,10 +1,10 @@
 """Agent workers: read the agent inbox, run a handler per turn, publish its events.
 
 Every accepted ``message`` appends an entry to the inbox stream of its chat's partition
-(``inbox:{<tag>}``, see :mod:`gateway.inbox`); a ``cancel`` appends a ``kind=cancel`` entry to
-the same stream. An :class:`AgentWorker` reads every partition through a consumer group, so
-any number of workers (in any number of processes) share the work, and runs the user's
-handler for each ``message``::
+(``inbox:{<tag>}``, see :mod:`gateway.redis.agent_inbox`); a ``cancel`` appends a
+``kind=cancel`` entry to the same stream. An :class:`AgentWorker` reads every partition
+through a consumer group, so any number of workers (in any number of processes) share the
+work, and runs the user's handler for each ``message``::
 
     async def handle(turn: Turn) -> None:
         await turn.delta("Hel")

@@ -1,6 +1,6 @@
 """The demo agent: enough behaviour to exercise every agent-UI frame without a model.
 
-Run it with ``gateway agent gateway.demo_agent:handle`` (or in-process: the embedded default
+Run it with ``gateway agent gateway.sdk.demo_agent:handle`` (or in-process: the embedded default
 and dev mode start it inside the gateway, see :class:`gateway.runtime.Gateway`). It answers
 every message by streaming the answer word by word as ``delta`` frames (a resumable
 stream), then commits it as one durable ``message``, and ends the turn. Commands:

@@ -1,0 +1,32 @@
+"""What the client keeps per chat: whether the application wants it subscribed, the position
+it resumes from (``seq``, ``epoch``), on which connection the server has it live or
+buffered, its open streams, and the callers waiting for its ``subscribed``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ... import protocol as p
+from ..streams import OpenStreams
+from .items import SubscribeResult
+
+
+class Chat:
+    __slots__ = ("buffered_gen", "desired", "dropping", "epoch", "live_gen", "resyncing", "seq",
+                 "streams", "waiters")
+
+    def __init__(self) -> None:
+        self.desired = False  # the application wants it subscribed (resubscribed on reconnect)
+        self.dropping = False  # left: drop frames still in flight
+        self.epoch: str | None = None
+        self.seq: int | None = None  # last durable seq handed to the application
+        self.live_gen: int | None = None  # connection on which the server has it live
+        self.buffered_gen: int | None = None  # connection on which the server buffers it
+        self.waiters: list[asyncio.Future[SubscribeResult]] = []
+        self.streams = OpenStreams()
+        self.resyncing = False  # a gap in a stream: waiting for a fresh snapshot
+
+
+def check_chat_id(chat_id: str) -> None:
+    if not p.CHAT_ID_RE.match(chat_id):
+        raise ValueError(f"invalid chat_id {chat_id!r}")
