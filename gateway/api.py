@@ -312,5 +312,5 @@ routes = [
     Route("/v1/conversations/{chat_id}", rename_conversation, methods=["PATCH"]),
     Route("/v1/conversations/{chat_id}", delete_conversation, methods=["DELETE"]),
     Route("/v1/conversations/{chat_id}/events", history, methods=["GET"]),
-    Route("/v1/conversations/{chat_id}/stream", sse.stream),
+    Route("/v1/conversations/{chat_id}/stream", sse.endpoint),
 ]

@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     tail.set_defaults(func=cmd_tail)
 
     agent = sub.add_parser("agent", help="run an agent worker: MODULE:HANDLER per turn")
-    agent.add_argument("handler", help="async handler, e.g. gateway.demo_agent:handle")
+    agent.add_argument("handler", help="async handler, e.g. gateway.sdk.demo_agent:handle")
     agent.add_argument("--group", default="agents", help="consumer group (default: agents)")
     agent.add_argument("--consumer", help="consumer name (default: host-pid-random)")
     agent.add_argument("--concurrency", type=int, default=16, help="turns run at once")

@@ -1,4 +1,5 @@
-"""WebSocket close codes. ``protocol.md`` has the table; clients reconnect on ``RESUMABLE``."""
+"""WebSocket close codes. ``protocol.md`` has the table, and says which ones a client
+resumes after."""
 
 UNAUTHORIZED = 4001  # missing or invalid token: terminal
 FORBIDDEN = 4003  # origin not allowed: terminal
@@ -10,4 +11,3 @@ SERVER_RESTART = 1012  # reconnect and resume
 BACKEND_UNAVAILABLE = 1013  # reconnect after a backoff and resume
 FRAME_TOO_BIG = 1009  # sent by the WebSocket layer for a frame over the limit
 
-RESUMABLE = frozenset({SLOW_CONSUMER, TOKEN_EXPIRED, TOO_MANY, SERVER_RESTART, BACKEND_UNAVAILABLE})

@@ -1,8 +1,8 @@
 """What can be done to a conversation, whoever asks: the WebSocket, the HTTP API, the CLI.
 
 Turns agent- and user-facing requests into validated :class:`OutEvent` batches for the
-store, hands each new turn to the agents (:mod:`gateway.inbox`), and runs the sweeper that
-ends turns nobody ended and does hand-offs a crashed gateway left undone.
+store, hands each new turn to the agents (:mod:`gateway.redis.agent_inbox`), and runs the
+sweeper that ends turns nobody ended and does hand-offs a crashed gateway left undone.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ MSGPACK_SUBPROTOCOL = "gateway.v1.msgpack"
 CHAT_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_.]{0,63}$"
 CHAT_ID_RE = re.compile(CHAT_ID_PATTERN)
-EVENT_TYPE_RE = re.compile(EVENT_TYPE_PATTERN)
 
 ChatId = Annotated[str, msgspec.Meta(pattern=CHAT_ID_PATTERN)]
 EventType = Annotated[str, msgspec.Meta(pattern=EVENT_TYPE_PATTERN)]
@@ -29,8 +28,6 @@ GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
      "stream_discarded", "hello", "subscribed", "unsubscribed", "left", "ack", "pong", "error"}
 )
-# Published by agents, but interpreted (and completed) by the gateway.
-SEMANTIC_TYPES = frozenset({"turn_end", "goal_state", "title"})
 
 
 # --- client -> server -------------------------------------------------------------------
@@ -171,9 +168,6 @@ class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
     message: str
     id: Any = None
     chat_id: Any = None
-
-
-ServerFrame = Hello | Subscribed | Unsubscribed | Left | Ack | Pong | Error
 
 
 # --- agent-published payloads the gateway interprets -----------------------------------

@@ -68,7 +68,7 @@ _TYPE_PREFIX = b'{"type":"'
 Entry = tuple[str | None, Frame]
 
 
-class StreamMember:
+class SseMember:
     """One SSE response in a hub room: durable frames wait in a queue bounded in bytes.
 
     ``deliver`` never blocks. When the queue would pass ``max_bytes``, the member stops
@@ -201,7 +201,7 @@ def _deleted_epoch(frame: Frame) -> str | None:
 # --- the endpoint ---------------------------------------------------------------------
 
 
-async def stream(request: Request) -> Response:
+async def endpoint(request: Request) -> Response:
     """``GET /v1/conversations/{chat_id}/stream``: every check answers before the stream."""
     gateway: Gateway = request.app.state.gateway
     who = gateway.authenticate(request)
@@ -223,7 +223,7 @@ async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: s
                   last_id: LastEventId | None) -> AsyncIterator[bytes]:
     hub, settings = gateway.hub, gateway.settings
     since = last_id.since if last_id is not None else None
-    member = StreamMember(hub, settings.queue_max_bytes)
+    member = SseMember(hub, settings.queue_max_bytes)
     try:
         await hub.join(chat_id, member)
         try:
@@ -260,7 +260,7 @@ async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: s
         hub.leave(chat_id, member)
 
 
-async def _live(request: Request, member: StreamMember, chat_id: str, cursor: Cursor,
+async def _live(request: Request, member: SseMember, chat_id: str, cursor: Cursor,
                 expires_at: float | None, heartbeat: float) -> AsyncIterator[bytes]:
     """Live frames the ``cursor`` admits (the merge of :mod:`~gateway.sync`), a ping
     comment when idle, until the stream must end."""

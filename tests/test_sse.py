@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.frames import Frame
-from gateway.sse import StreamMember, format_event, parse_last_event_id
+from gateway.sse import SseMember, format_event, parse_last_event_id
 
 from .publishing import publish
 
@@ -410,7 +410,7 @@ class _NoRooms:
 
 
 async def test_member_queue_is_bounded_in_bytes() -> None:
-    member = StreamMember(_NoRooms(), max_bytes=100)  # type: ignore[arg-type]
+    member = SseMember(_NoRooms(), max_bytes=100)  # type: ignore[arg-type]
     frame = Frame(b'{"type":"x","chat_id":"c","seq":1,"ts":0,"data":{"pad":"' + b"x" * 40
                   + b'"}}', 1)
     member.deliver("c", Frame(b'{"type":"x","seq":null}', None))  # ephemeral: dropped

@@ -1,7 +1,7 @@
 """The hand-off of turns to agents: the agent inbox, turn deadlines and the outbox.
 
 Every accepted user message becomes an entry in the inbox stream of its chat's partition,
-which agent workers read through consumer groups (:mod:`gateway.agent`); a cancel becomes
+which agent workers read through consumer groups (:mod:`gateway.sdk.agent`); a cancel becomes
 another entry of the same stream. The message is appended to its conversation in the
 conversation's cluster slot, the inbox entry in the partition's: no one script can do
 both. So the intended entry goes into the partition's outbox *before* the publish, and

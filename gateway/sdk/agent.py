@@ -1,8 +1,8 @@
 """Agent workers: read the agent inbox, run a handler per turn, publish its events.
 
-Every accepted ``message`` appends an entry to the inbox stream of its chat's partition
-(``inbox:{<tag>}``, see :mod:`gateway.redis.agent_inbox`); a ``cancel`` appends a
-``kind=cancel`` entry to the same stream. An :class:`AgentWorker` reads every partition
+Every accepted ``message`` appends an entry to the inbox (a Redis Stream) of its chat's
+partition (``inbox:{<tag>}``, see :mod:`gateway.redis.agent_inbox`); a ``cancel`` appends a
+``kind=cancel`` entry to the same inbox. An :class:`AgentWorker` reads every partition
 through a consumer group, so any number of workers (in any number of processes) share the
 work, and runs the user's handler for each ``message``::
 
@@ -86,14 +86,14 @@ def _fields(raw: Any) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in (raw or {}).items()}
 
 
-def _stream_replies(reply: Any) -> Iterable[tuple[str, list[Any]]]:
-    """XREAD/XREADGROUP replies as (stream, entries), for RESP2 lists and RESP3 maps."""
+def _xread_replies(reply: Any) -> Iterable[tuple[str, list[Any]]]:
+    """XREAD/XREADGROUP replies as (key, entries), for RESP2 lists and RESP3 maps."""
     if not reply:
         return []
     if isinstance(reply, dict):
         return [(_text(k), v[0] if v and isinstance(v[0], list) else v)
                 for k, v in reply.items()]
-    return [(_text(stream), entries) for stream, entries in reply]
+    return [(_text(key), entries) for key, entries in reply]
 
 
 class Turn:
@@ -278,11 +278,11 @@ class Turn:
 
 
 class _Entry:
-    __slots__ = ("fields", "id", "redelivered", "stream")
+    __slots__ = ("fields", "id", "key", "redelivered")
 
-    def __init__(self, stream: str, entry_id: str, fields: dict[str, str],
+    def __init__(self, key: str, entry_id: str, fields: dict[str, str],
                  redelivered: bool) -> None:
-        self.stream = stream
+        self.key = key  # the inbox partition it came from
         self.id = entry_id
         self.fields = fields
         self.redelivered = redelivered
@@ -359,7 +359,7 @@ class AgentWorker:
             return
         self._started = True
         await self._create_groups()
-        tails = await self._stream_tails()  # before any turn runs, so no cancel is missed
+        tails = await self._inbox_tails()  # before any turn runs, so no cancel is missed
         await self._resume_own()
         self._loops = [asyncio.create_task(self._maintain(), name=f"agent-claim-{self.consumer}")]
         for n, keys in enumerate(self._key_groups):
@@ -450,7 +450,7 @@ class AgentWorker:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def _stream_tails(self) -> dict[str, str]:
+    async def _inbox_tails(self) -> dict[str, str]:
         last = await self._pipelined(self.keys, lambda pipe, key: pipe.xrevrange(key, count=1))
         return {key: _text(rows[0][0]) if rows else "0-0"
                 for key, rows in zip(self.keys, last, strict=True)}
@@ -475,7 +475,7 @@ class AgentWorker:
                 except (RedisError, OSError) as exc:
                     log.warning("reading our pending entries: %s; left to a takeover", exc)
                     return
-                got = dict(_stream_replies(reply))
+                got = dict(_xread_replies(reply))
                 for key in list(after):
                     entries = got.get(key) or []
                     for entry_id, raw in entries:
@@ -493,7 +493,7 @@ class AgentWorker:
         while not self._closing:
             await self._wait_capacity()
             free = self.concurrency - len(self._inflight)
-            # COUNT is per stream: the total may pass ``free`` by at most one per partition.
+            # COUNT is per key: the total may pass ``free`` by at most one per partition.
             count = max(1, free // len(self.keys))
             try:
                 reply = await self.redis.xreadgroup(self.group, self.consumer, streams,
@@ -511,12 +511,12 @@ class AgentWorker:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            for stream, entries in _stream_replies(reply):
+            for key, entries in _xread_replies(reply):
                 for entry_id, raw in entries:
-                    await self._dispatch(_Entry(stream, _text(entry_id), _fields(raw), False))
+                    await self._dispatch(_Entry(key, _text(entry_id), _fields(raw), False))
 
     async def _dispatch(self, entry: _Entry) -> None:
-        key = (entry.stream, entry.id)
+        key = (entry.key, entry.id)
         if key in self._inflight:
             return  # already ours and running (reclaimed while we still had it)
         kind = entry.fields.get("kind")
@@ -525,14 +525,14 @@ class AgentWorker:
             self.stats["cancels"] += 1
             self._mark_cancelled(chat_id, entry.fields.get("turn_id", ""))
             try:
-                await self.redis.xack(entry.stream, self.group, entry.id)
+                await self.redis.xack(entry.key, self.group, entry.id)
             except (RedisError, OSError) as exc:
                 log.warning("acknowledging cancel %s: %s", entry.id, exc)
             return
         if kind != "message" or not chat_id:
             log.warning("ignoring inbox entry %s of kind %r", entry.id, kind)
             with contextlib.suppress(RedisError, OSError):
-                await self.redis.xack(entry.stream, self.group, entry.id)
+                await self.redis.xack(entry.key, self.group, entry.id)
             return
         self._inflight[key] = entry
         previous = self._chains.get(chat_id)
@@ -560,9 +560,9 @@ class AgentWorker:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            for stream, entries in _stream_replies(reply):
+            for key, entries in _xread_replies(reply):
                 for entry_id, raw in entries:
-                    last[stream] = _text(entry_id)
+                    last[key] = _text(entry_id)
                     fields = _fields(raw)
                     if fields.get("kind") == "cancel":
                         self._mark_cancelled(fields.get("chat_id", ""),
@@ -585,11 +585,11 @@ class AgentWorker:
     async def _heartbeat(self) -> None:
         """XCLAIM our own in-flight entries (JUSTID: the delivery count stays) to reset
         their idle time, so a long turn is not taken over while it runs."""
-        by_stream: dict[str, list[str]] = {}
-        for stream, entry_id in list(self._inflight):
-            by_stream.setdefault(stream, []).append(entry_id)
-        await self._pipelined(list(by_stream), lambda pipe, stream: pipe.xclaim(
-            stream, self.group, self.consumer, 0, by_stream[stream], justid=True))
+        by_key: dict[str, list[str]] = {}
+        for key, entry_id in list(self._inflight):
+            by_key.setdefault(key, []).append(entry_id)
+        await self._pipelined(list(by_key), lambda pipe, key: pipe.xclaim(
+            key, self.group, self.consumer, 0, by_key[key], justid=True))
 
     async def _reclaim(self, cursors: dict[str, str]) -> None:
         idle_ms = int(self.claim_idle * 1000)
@@ -624,7 +624,7 @@ class AgentWorker:
         except Exception:
             log.exception("turn from inbox entry %s failed", entry.id)
         finally:
-            self._inflight.pop((entry.stream, entry.id), None)
+            self._inflight.pop((entry.key, entry.id), None)
             self._freed.set()
             if self._chains.get(chat_id) is asyncio.current_task():
                 del self._chains[chat_id]
@@ -634,7 +634,7 @@ class AgentWorker:
         turn = Turn(self.store, fields, entry_id=entry.id, redelivered=entry.redelivered,
                     delta_window_ms=self.delta_window_ms)
         if not turn.turn_id or (self.accept is not None and not self.accept(turn.chat_id)):
-            await self.redis.xack(entry.stream, self.group, entry.id)
+            await self.redis.xack(entry.key, self.group, entry.id)
             return
         ident = (turn.chat_id, turn.turn_id)
         self._turns[ident] = turn  # from now on the cancel watcher can reach it
@@ -645,7 +645,7 @@ class AgentWorker:
                 # Ended already: a redelivery after turn_end, a timeout, a deleted chat.
                 self.stats["skipped"] += 1
                 log.info("%r is no longer running; acknowledging it unhandled", turn)
-                await self.redis.xack(entry.stream, self.group, entry.id)
+                await self.redis.xack(entry.key, self.group, entry.id)
                 return
             turn.meta = meta
             if _cancel_requested(history.frames, turn.turn_id):
@@ -663,7 +663,7 @@ class AgentWorker:
                     await turn.end(reason=reason)
                 except Rejected as exc:  # nothing a retry would fix
                     log.warning("ending %r: %s %s", turn, exc.code, exc.message)
-            await self.redis.xack(entry.stream, self.group, entry.id)
+            await self.redis.xack(entry.key, self.group, entry.id)
             self.stats["handled"] += 1
         finally:
             self._turns.pop(ident, None)

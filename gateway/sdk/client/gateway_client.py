@@ -18,7 +18,7 @@ from ..streams import StreamText
 from .chats import Chat, check_chat_id
 from .connection import Conn, ConnectionLoop, TokenFactory
 from .errors import ClientClosed, GatewayError
-from .item_queue import ItemQueue, ItemStream
+from .item_queue import ItemIterator, ItemQueue
 from .items import AnyItem, ChatItem, Ended, SubscribeResult
 from .outbox import DEFAULT_LIMITS, Outbox, Outgoing
 from .requests import Request, Requests
@@ -250,12 +250,12 @@ class GatewayClient(ConnectionLoop):
 
     def events(self, chat_id: str) -> AsyncIterator[ChatItem]:
         """The chat's :class:`Event` and :class:`Recovery` items, in order."""
-        return ItemStream(lambda: self._items.next_of_chat(chat_id))
+        return ItemIterator(lambda: self._items.next_of_chat(chat_id))
 
     def all_events(self) -> AsyncIterator[AnyItem]:
         """Every chat's items, in arrival order, :class:`Ended` markers included."""
-        return ItemStream(self._items.next_of_any)
+        return ItemIterator(self._items.next_of_any)
 
     def feed(self) -> AsyncIterator[dict[str, Any]]:
         """The conversation feed: ``conversation`` frames for the user's conversations."""
-        return ItemStream(self._items.next_of_feed)
+        return ItemIterator(self._items.next_of_feed)

@@ -1,5 +1,5 @@
 """The item queue: what was received and not consumed yet, per chat in arrival order, and the
-last conversation feed frames; read through :class:`ItemStream` iterators. Each item is
+last conversation feed frames; read through :class:`ItemIterator` iterators. Each item is
 consumed once, by whichever iterator reads it."""
 
 from __future__ import annotations
@@ -120,13 +120,13 @@ class ItemQueue:
             await self.wait()
 
 
-class ItemStream(AsyncIterator[T]):
+class ItemIterator(AsyncIterator[T]):
     """An async iterator over what ``next_item`` returns, one awaited call per item."""
 
     def __init__(self, next_item: Callable[[], Awaitable[T]]) -> None:
         self._next = next_item
 
-    def __aiter__(self) -> ItemStream[T]:
+    def __aiter__(self) -> ItemIterator[T]:
         return self
 
     async def __anext__(self) -> T:
