@@ -25,6 +25,8 @@ from gateway.embedded import EmbeddedRedis
 
 from .conftest import GatewayProcess, free_port
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

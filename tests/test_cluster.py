@@ -27,7 +27,7 @@ from .faults import until
 from .publishing import publish
 from .wsclient import Frame, connect
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
 
 
 def start_gateways(env: dict[str, str], cluster: ValkeyCluster, count: int = 2,
@@ -251,6 +251,7 @@ def migrate_slot(source: Any, target: Any, key: str) -> None:
         src.execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
 
 
+@pytest.mark.slow
 async def test_a_primary_sigkilled_under_load(
         gateway_env: dict[str, str], tmp_path: Path) -> None:
     """A primary dies without warning. With ``GATEWAY_WAIT_REPLICAS=1`` an acknowledged

@@ -316,6 +316,7 @@ async def test_demo_agent_resumes_its_turn_right_after_a_gateway_restart(
 # --- on a cluster -----------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 async def test_hand_offs_and_workers_on_a_cluster(tmp_path: Path) -> None:
     """Every partition in its own slot: the hand-off scripts, the sweeper and a worker
     reading each partition with its own call, on a real 3-primary cluster."""
