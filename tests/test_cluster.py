@@ -24,7 +24,7 @@ from gateway.redis.store import room_channel
 from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port
 from .faults import until
-from .publishing import publish
+from .steps import publish, send_message
 from .wsclient import Frame, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
@@ -74,7 +74,7 @@ async def test_core_paths_on_the_cluster(pair: list[GatewayProcess]) -> None:
     user, chat = "u" + uuid.uuid4().hex[:8], "c-" + uuid.uuid4().hex[:10]
     async with connect(a.url(user)) as ws:
         first = await ws.subscribe(chat)
-        await ws.send({"type": "message", "chat_id": chat, "text": "hi", "client_msg_id": "m1"})
+        await send_message(ws, chat, "hi", "m1")
         assert [f["type"] for f in await ws.events(chat, 2)] == ["user_message", "turn_start"]
         await publish(b, chat, {"type": "turn_end", "data": {"reason": "complete"}},
                       {"type": "title", "data": {"title": "Cluster"}})

@@ -33,7 +33,8 @@ from gateway.redis.store import Store
 from gateway.sdk.agent import AgentWorker, Turn
 
 from .cluster import ValkeyCluster
-from .test_agent import agent_worker, eventually, history, of_type, send_message, until_turn_end
+from .steps import history, send_message
+from .test_agent import agent_worker, eventually, of_type, until_turn_end
 from .wsclient import connect
 
 pytestmark = pytest.mark.anyio
