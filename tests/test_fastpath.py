@@ -114,6 +114,7 @@ async def assert_usable(ws: Client, req_id: str) -> None:
 # --- order: fast-path writes against replies ---------------------------------------------
 
 
+@pytest.mark.slow  # ~5 s of load
 async def test_fanned_out_events_and_replies_keep_their_order(
     fast: Any, user: str, chat_id: str
 ) -> None:
@@ -351,6 +352,7 @@ class RawSocket:
         return first & 0x0F, await self.reader.readexactly(size)
 
 
+@pytest.mark.slow  # ~5 s of load
 async def test_nothing_is_written_after_the_close_frame(
     fast: Any, user: str, chat_id: str
 ) -> None:
@@ -418,6 +420,7 @@ def kernel_send_buffer_max() -> int:
         return 4 << 20
 
 
+@pytest.mark.slow  # ~5 s of load
 async def test_a_stalled_reader_pauses_then_rejoins_without_a_gap(
     start_gateway: Any, user: str, chat_id: str
 ) -> None:
