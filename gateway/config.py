@@ -100,7 +100,7 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
     for name in ("replay_limit", "buffer_max_frames", "buffer_max_bytes", "queue_max_bytes",
                  "max_frame_bytes", "max_subscriptions", "max_connections_per_user",
                  "inbox_partitions", "stream_max_bytes", "redis_timeout", "wait_timeout_ms"):
-        if getattr(settings, name) <= 0:
+        if not getattr(settings, name) > 0:  # NaN too
             raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
     if settings.wait_replicas < 0:
         raise ConfigError(f"{_ENV_PREFIX}WAIT_REPLICAS must not be negative")

@@ -50,6 +50,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from gateway.embedded import EmbeddedRedis
 
 from .conftest import GatewayProcess
+from .steps import create, history_with_epoch
 
 Frame = dict[str, Any]
 
@@ -430,13 +431,8 @@ class Load:
     async def start(self) -> None:
         """Create the chats, subscribe everyone, then start publishing."""
         self.started = time.monotonic()
-        gw = self.gateways[0]
-        async with httpx.AsyncClient(base_url=gw.http, timeout=5) as http:
-            for chat in self.chats:
-                resp = await http.post("/v1/conversations", json={"chat_id": chat},
-                                       headers=gw.headers(self.user))
-                assert resp.status_code == 201, resp.text
-                self.epochs[chat] = resp.json()["epoch"]
+        for chat in self.chats:
+            self.epochs[chat] = (await create(self.gateways[0], self.user, chat))["epoch"]
         for sub in self.subscribers:
             sub.start()
         if not await until(lambda: all(s.ready for s in self.subscribers), 15):
@@ -476,30 +472,13 @@ class Load:
         """Every durable event of ``chat`` over HTTP (paged): (epoch, events)."""
         gw = self.live_gateway()
         deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(base_url=gw.http, timeout=5) as http:
-            while True:
-                events: list[Frame] = []
-                after, epoch = 0, None
-                try:
-                    while True:
-                        resp = await http.get(f"/v1/conversations/{chat}/events",
-                                              params={"after": after, "limit": 1000},
-                                              headers=gw.headers("agent", "service"))
-                        assert resp.status_code == 200, resp.text
-                        page = resp.json()
-                        if epoch is not None and page["epoch"] != epoch:
-                            raise RuntimeError("epoch changed while paging")
-                        epoch = page["epoch"]
-                        events += page["events"]
-                        if not page["events"] or page["next_after"] is None:
-                            break
-                        after = page["next_after"]
-                    assert epoch is not None
-                    return epoch, events
-                except (httpx.HTTPError, AssertionError, RuntimeError):
-                    if time.monotonic() >= deadline:
-                        raise
-                    await asyncio.sleep(0.1)
+        while True:
+            try:
+                return await history_with_epoch(gw, "agent", chat, role="service")
+            except (httpx.HTTPError, AssertionError):  # not ready yet, or recreated meanwhile
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def finish(self, fault: str, *, history_lost: bool = False,
                      settle: float = 20.0) -> Row:

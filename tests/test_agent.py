@@ -13,12 +13,10 @@ import contextlib
 import os
 import signal
 import sys
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -28,6 +26,7 @@ from gateway.redis.agent_inbox import inbox_key
 from gateway.sdk.agent import AgentWorker, Handler, Turn
 from gateway.sdk.demo_agent import handle as demo_handle
 
+from .steps import history, send_message
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
@@ -125,11 +124,6 @@ async def agent_process(redis_url: str, spec: str, group: str,
             await proc.wait()
 
 
-async def send_message(ws: Client, chat_id: str, text: str, **extra: Any) -> None:
-    await ws.send({"type": "message", "chat_id": chat_id, "text": text,
-                   "client_msg_id": uuid.uuid4().hex, **extra})
-
-
 async def until_turn_end(ws: Client, chat_id: str, within: float = 10.0) -> list[Frame]:
     """Every frame of ``chat_id`` up to and including the next ``turn_end``."""
     frames: list[Frame] = []
@@ -145,15 +139,6 @@ async def until_turn_end(ws: Client, chat_id: str, within: float = 10.0) -> list
 
 def of_type(frames: list[Frame], type_: str) -> list[Frame]:
     return [f for f in frames if f["type"] == type_]
-
-
-async def history(gw: Any, user: str, chat_id: str) -> list[Frame]:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.get(f"/v1/conversations/{chat_id}/events", params={"limit": 1000},
-                              headers=gw.headers(user))
-    assert resp.status_code == 200, resp.text
-    events: list[Frame] = resp.json()["events"]
-    return events
 
 
 async def pending(redis_url: str, group: str) -> int:

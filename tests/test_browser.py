@@ -24,6 +24,9 @@ import pytest
 from gateway.embedded import EmbeddedRedis
 
 from .conftest import GatewayProcess, free_port
+from .steps import history_sync as history  # these tests are synchronous
+
+pytestmark = pytest.mark.browser
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -71,8 +74,8 @@ def demo(start_gateway: Any, browser_redis: str) -> GatewayProcess:
 @pytest.fixture(scope="module")
 def agent(demo: GatewayProcess) -> Iterator[subprocess.Popen[bytes]]:
     """The demo agent, a worker process reading the inbox of the same Redis."""
-    demo_agent = Path(__file__).parent.parent / "gateway" / "demo_agent.py"
-    assert demo_agent.exists(), "gateway/demo_agent.py is missing"
+    demo_agent = Path(__file__).parent.parent / "gateway" / "sdk" / "demo_agent.py"
+    assert demo_agent.exists(), "gateway/sdk/demo_agent.py is missing"
     with open(Path(demo.env["GATEWAY_DATA_DIR"]) / "browser-agent.log", "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "agent", "gateway.sdk.demo_agent:handle",
@@ -171,20 +174,6 @@ def sidebar_item(page: Any, chat_id: str) -> Any:
 
 def messages(page: Any, role: str) -> Any:
     return page.locator(f'[data-testid="message"][data-role="{role}"]')
-
-
-def history(gw: GatewayProcess, user: str, chat_id: str) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    after = 0
-    while True:
-        resp = httpx.get(f"{gw.http}/v1/conversations/{chat_id}/events",
-                         params={"after": after, "limit": 1000}, headers=gw.headers(user))
-        assert resp.status_code == 200, resp.text
-        body = resp.json()
-        events += body["events"]
-        if body["next_after"] is None:
-            return events
-        after = body["next_after"]
 
 
 def watch_deltas(gw: GatewayProcess, user: str, chat_id: str, count: int) -> None:

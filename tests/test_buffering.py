@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 
-from .publishing import publish
+from .steps import create, publish
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio
@@ -74,20 +73,13 @@ async def pong(ws: Client, chat_id: str) -> None:
     assert [f for f in before if f.get("chat_id") == chat_id] == []
 
 
-async def create(gw: Any, user: str, *chats: str) -> None:
-    """Create the chats over HTTP before connecting, so no creation feed frame arrives."""
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        for chat in chats:
-            resp = await http.post("/v1/conversations", json={"chat_id": chat},
-                                   headers=gw.headers(user))
-            assert resp.status_code == 201, resp.text
-
-
 @contextlib.asynccontextmanager
 async def live_on(gw: Any, user: str, chat_id: str) -> AsyncIterator[tuple[Client, Frame, str]]:
     """A connection live on ``chat_id`` (having received its seq 1) and on a fence chat."""
     fence_chat = chat_id + "-fence"
-    await create(gw, user, chat_id, fence_chat)
+    # Created over HTTP before connecting, so no creation feed frame arrives.
+    for chat in (chat_id, fence_chat):
+        await create(gw, user, chat)
     async with connect(gw.url(user)) as ws:
         sub = await ws.subscribe(chat_id)
         assert sub["seq"] == 0 and "buffered" not in sub and "overflowed" not in sub

@@ -30,7 +30,7 @@ from gateway.sdk.client import (
     TerminalError,
 )
 
-from .publishing import publish
+from .steps import publish
 from .wsclient import connect
 
 pytestmark = pytest.mark.anyio

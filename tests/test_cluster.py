@@ -24,10 +24,10 @@ from gateway.redis.keys import room_channel
 from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port
 from .faults import until
-from .publishing import publish
+from .steps import publish, send_message
 from .wsclient import Frame, connect
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
 
 
 def start_gateways(env: dict[str, str], cluster: ValkeyCluster, count: int = 2,
@@ -74,7 +74,7 @@ async def test_core_paths_on_the_cluster(pair: list[GatewayProcess]) -> None:
     user, chat = "u" + uuid.uuid4().hex[:8], "c-" + uuid.uuid4().hex[:10]
     async with connect(a.url(user)) as ws:
         first = await ws.subscribe(chat)
-        await ws.send({"type": "message", "chat_id": chat, "text": "hi", "client_msg_id": "m1"})
+        await send_message(ws, chat, "hi", "m1")
         assert [f["type"] for f in await ws.events(chat, 2)] == ["user_message", "turn_start"]
         await publish(b, chat, {"type": "turn_end", "data": {"reason": "complete"}},
                       {"type": "title", "data": {"title": "Cluster"}})
@@ -251,6 +251,7 @@ def migrate_slot(source: Any, target: Any, key: str) -> None:
         src.execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
 
 
+@pytest.mark.slow
 async def test_a_primary_sigkilled_under_load(
         gateway_env: dict[str, str], tmp_path: Path) -> None:
     """A primary dies without warning. With ``GATEWAY_WAIT_REPLICAS=1`` an acknowledged

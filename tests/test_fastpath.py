@@ -26,6 +26,7 @@ import msgspec
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
+from .steps import create, publish
 from .wsclient import FEED, Client, Frame
 
 pytestmark = pytest.mark.anyio
@@ -104,15 +105,6 @@ async def post_all(gw: Any, jobs: list[tuple[str, dict[str, Any]]],
             for chat, body in jobs)))
 
 
-async def create(gw: Any, user: str, chat_id: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.post("/v1/conversations", json={"chat_id": chat_id},
-                               headers=gw.headers(user))
-    assert resp.status_code == 201, resp.text
-    body: dict[str, Any] = resp.json()
-    return body
-
-
 async def assert_usable(ws: Client, req_id: str) -> None:
     """A ping gets its pong and nothing (no late or duplicate event) comes before it."""
     await ws.send({"type": "ping", "id": req_id})
@@ -122,6 +114,7 @@ async def assert_usable(ws: Client, req_id: str) -> None:
 # --- order: fast-path writes against replies ---------------------------------------------
 
 
+@pytest.mark.slow  # ~5 s of load
 async def test_fanned_out_events_and_replies_keep_their_order(
     fast: Any, user: str, chat_id: str
 ) -> None:
@@ -359,6 +352,7 @@ class RawSocket:
         return first & 0x0F, await self.reader.readexactly(size)
 
 
+@pytest.mark.slow  # ~5 s of load
 async def test_nothing_is_written_after_the_close_frame(
     fast: Any, user: str, chat_id: str
 ) -> None:
@@ -426,6 +420,7 @@ def kernel_send_buffer_max() -> int:
         return 4 << 20
 
 
+@pytest.mark.slow  # ~5 s of load
 async def test_a_stalled_reader_pauses_then_rejoins_without_a_gap(
     start_gateway: Any, user: str, chat_id: str
 ) -> None:
@@ -590,20 +585,13 @@ async def test_a_lone_member_leaving_and_rejoining_stays_live(
             stop.set()
             await task
         # Live after the last rejoin: whatever is still to come, then one more event.
-        last = (await publish_one(fast, chat_id))["seqs"][0]
+        last = (await publish(fast, chat_id, {"type": "note", "data": {"last": True}}))["seqs"][0]
         while not seqs or seqs[-1] < last:
             frame = await ws.recv()
             assert is_event(frame, chat_id), frame
             seqs.append(frame["seq"])
         assert seqs == list(range(1, last + 1))
         await assert_usable(ws, "end")
-
-
-async def publish_one(gw: Any, chat_id: str) -> dict[str, Any]:
-    replies = await post_all(gw, [(chat_id, {"type": "note", "data": {"last": True}})])
-    assert replies[0].status_code == 200, replies[0].text
-    body: dict[str, Any] = replies[0].json()
-    return body
 
 
 # --- a deleted conversation --------------------------------------------------------------
@@ -617,10 +605,9 @@ async def test_delete_reaches_direct_members_and_a_recreated_chat_does_not_leak_
             connect(fast.url(user)) as witness, httpx.AsyncClient(base_url=fast.http) as http:
         old = await js.subscribe(chat_id)
         await mp.subscribe(chat_id)
-        resp = await http.post(f"/v1/conversations/{chat_id}/events", headers=service,
-                               json={"events": [{"type": "note", "data": {"old": i}}
-                                                for i in range(3)]})
-        assert resp.json()["seqs"] == [1, 2, 3]
+        result = await publish(fast, chat_id, *({"type": "note", "data": {"old": i}}
+                                                for i in range(3)))
+        assert result["seqs"] == [1, 2, 3]
         # Live at the room's position now: both sit in the direct sets.
         for ws in (js, mp):
             assert [f["data"] for f in await ws.events(chat_id, 3)] == [{"old": i}
@@ -638,10 +625,9 @@ async def test_delete_reaches_direct_members_and_a_recreated_chat_does_not_leak_
         created = await create(fast, user, chat_id)
         assert created["epoch"] != old["epoch"] and created["last_seq"] == 0
         assert (await witness.subscribe(chat_id))["epoch"] == created["epoch"]
-        resp = await http.post(f"/v1/conversations/{chat_id}/events", headers=service,
-                               json={"events": [{"type": "note", "data": {"new": i}}
-                                                for i in range(2)]})
-        assert resp.json()["seqs"] == [1, 2]
+        result = await publish(fast, chat_id, *({"type": "note", "data": {"new": i}}
+                                                for i in range(2)))
+        assert result["seqs"] == [1, 2]
         assert [f["data"] for f in await witness.events(chat_id, 2)] == [{"new": 0},
                                                                          {"new": 1}]
         # The witness got them, so fan-out is done: the ended subscriptions got nothing.

@@ -34,7 +34,7 @@ from .faults import (
     until,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # each runs ~5-10 s of load
 
 Backend = tuple[EmbeddedRedis, list[GatewayProcess]]
 

@@ -33,7 +33,8 @@ from gateway.redis.store import Store
 from gateway.sdk.agent import AgentWorker, Turn
 
 from .cluster import ValkeyCluster
-from .test_agent import agent_worker, eventually, history, of_type, send_message, until_turn_end
+from .steps import history, send_message
+from .test_agent import agent_worker, eventually, of_type, until_turn_end
 from .wsclient import connect
 
 pytestmark = pytest.mark.anyio
@@ -316,6 +317,7 @@ async def test_demo_agent_resumes_its_turn_right_after_a_gateway_restart(
 # --- on a cluster -----------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 async def test_hand_offs_and_workers_on_a_cluster(tmp_path: Path) -> None:
     """Every partition in its own slot: the hand-off scripts, the sweeper and a worker
     reading each partition with its own call, on a real 3-primary cluster."""

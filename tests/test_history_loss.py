@@ -26,7 +26,7 @@ from gateway.redis.store import Store
 from gateway.sdk.client import GatewayClient, Recovery
 
 from .conftest import GatewayProcess, free_port
-from .publishing import publish
+from .steps import publish, send_message
 from .test_client import FAST, collect
 from .wsclient import Client, Frame, connect
 
@@ -98,8 +98,7 @@ async def test_flushall_then_a_new_message_resyncs_live_subscribers(
         finally:
             client.close()
         # The next message recreates the conversation under a new epoch: seq 1 again.
-        await sender.send({"type": "message", "chat_id": chat_id, "text": "hello again",
-                           "client_msg_id": "after-flush"})
+        await send_message(sender, chat_id, "hello again", "after-flush")
         told = await unasked_subscribed(ws, chat_id)
         assert told["recovered"] is False and told["epoch"] != first["epoch"]
         await publish(gw, chat_id, {"type": "note", "data": {"after": True}})

@@ -32,6 +32,7 @@ from gateway.transport.uvicorn_ws import (
 )
 
 from .conftest import GatewayProcess, free_port
+from .steps import send_message
 from .test_fastpath import assert_usable, connect, post_all
 
 pytestmark = pytest.mark.anyio
@@ -65,8 +66,7 @@ async def exercise(gw: GatewayProcess, user: str, chat_id: str) -> list[str]:
         await ws.subscribe(chat_id)
         await mp.subscribe(chat_id)
         await third.subscribe(chat_id)
-        await ws.send({"type": "message", "chat_id": chat_id, "text": "hello",
-                       "client_msg_id": "m1", "id": "m1"})
+        await send_message(ws, chat_id, "hello", "m1", id="m1")
         for client in (ws, mp, third):
             expected = {"user_message", "turn_start"} | ({"ack"} if client is ws else set())
             frames = [await client.recv() for _ in expected]
@@ -222,8 +222,7 @@ async def test_the_asgi_fallback_serves_a_whole_session(
         assert [f["seq"] for f in got[0]] == list(range(1, count + 1))
         assert got[0] == got[1]
         # Replies, a user message and its turn, a buffered unsubscribe and a replay.
-        await js.send({"type": "message", "chat_id": chat_id, "text": "hi",
-                       "client_msg_id": "m1", "id": "m1"})
+        await send_message(js, chat_id, "hi", "m1", id="m1")
         frames = [await js.recv() for _ in range(3)]  # the ack and the two events
         ack = next(f for f in frames if f["type"] == "ack")
         assert ack["id"] == "m1" and ack["seq"] == count + 1, ack

@@ -26,7 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.redis.keys import log_key, meta_key
 
 from .conftest import free_port
-from .publishing import publish
+from .steps import history_page, publish, send_message
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
@@ -68,8 +68,7 @@ async def test_two_processes_share_rooms_and_the_feed(start_gateway: Any, user: 
         assert note["type"] == "note" and note["seq"] == 1 and note["data"] == {"n": 1}
 
         # A user's message sent over a WebSocket on B reaches A, and so does the feed.
-        await sender_b.send({"type": "message", "chat_id": chat_id, "text": "hello from B",
-                             "client_msg_id": "m1", "id": 7})
+        await send_message(sender_b, chat_id, "hello from B", "m1", id=7)
         ack = await sender_b.expect("ack", chat_id=chat_id, id=7, seq=2, duplicate=False)
         message, turn = await on_a.events(chat_id, 2)
         assert message["type"] == "user_message" and message["seq"] == 2
@@ -239,15 +238,6 @@ async def until_exited(pidfd: int) -> None:
         loop.remove_reader(pidfd)
 
 
-async def history(serve: Serve, chat_id: str, token: str) -> Frame:
-    async with httpx.AsyncClient(base_url=serve.http) as http:
-        resp = await http.get(f"/v1/conversations/{chat_id}/events",
-                              headers={"Authorization": f"Bearer {token}"})
-    assert resp.status_code == 200, resp.text
-    body: Frame = resp.json()
-    return body
-
-
 async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
                                                                chat_id: str) -> None:
     data_dir = tmp_path / "data"
@@ -264,8 +254,7 @@ async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
         async with connect(serve.ws(alice)) as ws, connect(serve.ws(alice)) as sender:
             sub = await ws.subscribe(chat_id)
             epoch = sub["epoch"]
-            await sender.send({"type": "message", "chat_id": chat_id, "text": "before restart",
-                               "client_msg_id": "c1"})
+            await send_message(sender, chat_id, "before restart", "c1")
             ack = await sender.expect("ack", seq=1, duplicate=False)
             async with httpx.AsyncClient(base_url=serve.http) as http:
                 for body in ({"type": "progress", "data": {"text": "partial"}, "durable": False},
@@ -277,7 +266,7 @@ async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
             before = [f for f in await ws.events(chat_id, 5) if f["seq"] is not None]
         assert [f["seq"] for f in before] == [1, 2, 3, 4]
         assert [f["type"] for f in before] == ["user_message", "turn_start", "note", "turn_end"]
-        assert (await history(serve, chat_id, alice))["events"] == before
+        assert (await history_page(serve, "alice", chat_id, token=alice))["events"] == before
 
         child = serve.server_child()
         # A clean stop exits 0 and has stopped (and waited for) its server by then.
@@ -286,7 +275,7 @@ async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
 
         await serve.start()
         # The secret was kept in the data dir: tokens issued before the restart still work.
-        page = await history(serve, chat_id, alice)
+        page = await history_page(serve, "alice", chat_id, token=alice)
         assert page["epoch"] == epoch and page["last_seq"] == 4
         assert page["events"] == before
         async with httpx.AsyncClient(base_url=serve.http) as http:
@@ -308,8 +297,7 @@ async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
             live = (await ws.events(chat_id, 1))[0]
             assert live["seq"] == 5 and live["data"] == {"after": True}
             # The message's idempotency record survived too: a retry is a duplicate.
-            await sender.send({"type": "message", "chat_id": chat_id, "text": "before restart",
-                               "client_msg_id": "c1"})
+            await send_message(sender, chat_id, "before restart", "c1")
             await sender.expect("ack", seq=1, duplicate=True, turn_id=ack["turn_id"])
     finally:
         serve.kill_all()

@@ -22,19 +22,12 @@ import redis.asyncio as aioredis
 
 from gateway.redis.keys import index_key, log_key
 
+from .steps import create, history, send_message
 from .wsclient import connect
 
 pytestmark = pytest.mark.anyio
 
 Body = dict[str, Any]
-
-
-async def create(http: httpx.AsyncClient, gw: Any, user: str, chat_id: str) -> str:
-    resp = await http.post("/v1/conversations", json={"chat_id": chat_id},
-                           headers=gw.headers(user))
-    assert resp.status_code == 201, resp.text
-    epoch: str = resp.json()["epoch"]
-    return epoch
 
 
 class Job:
@@ -94,8 +87,7 @@ async def test_one_refused_publish_in_a_burst_leaves_the_others_intact(
     broken = f"{chat_id}-broken"  # its stream key is not a stream: the script itself errors
     intruder = user + "x"
     redis = aioredis.from_url(redis_url)
-    async with httpx.AsyncClient(base_url=gateway.http) as http:
-        epochs = {chat: await create(http, gateway, user, chat) for chat in [*chats, broken]}
+    epochs = {chat: (await create(gateway, user, chat))["epoch"] for chat in [*chats, broken]}
     await redis.set(log_key(broken), "not a stream")
 
     jobs: list[Job] = []
@@ -128,8 +120,7 @@ async def test_one_refused_publish_in_a_burst_leaves_the_others_intact(
         codes = []
         async with connect(gateway.url(intruder)) as ws:
             for n in range(10):
-                await ws.send({"type": "message", "chat_id": chats[n % 3], "text": "hi",
-                               "client_msg_id": f"m{n}", "id": n})
+                await send_message(ws, chats[n % 3], "hi", f"m{n}", id=n)
                 err = await ws.expect("error", id=n, chat_id=chats[n % 3])
                 codes.append(err["code"])
         return codes
@@ -177,8 +168,7 @@ async def test_one_refused_publish_in_a_burst_leaves_the_others_intact(
 async def test_idempotent_retries_in_one_burst_append_once(
     gateway: Any, user: str, chat_id: str
 ) -> None:
-    async with httpx.AsyncClient(base_url=gateway.http) as http:
-        epoch = await create(http, gateway, user, chat_id)
+    epoch = (await create(gateway, user, chat_id))["epoch"]
     keys = [f"k{n}" for n in range(10)]
     jobs = [Job(chat_id, {"events": [{"type": "note", "data": {"key": key, "j": j}}
                                      for j in range(2)], "idempotency_key": key})
@@ -197,21 +187,17 @@ async def test_idempotent_retries_in_one_burst_append_once(
             firsts[key] += 1
     assert firsts == dict.fromkeys(keys, 1)  # each key appended by exactly one request
     assert all(len(s) == 1 for s in seqs_by_key.values())  # the others echo its seqs
-    async with httpx.AsyncClient(base_url=gateway.http) as http:
-        page = (await http.get(f"/v1/conversations/{chat_id}/events?after=0",
-                               headers=gateway.headers(user))).json()
-    assert [e["seq"] for e in page["events"]] == list(range(1, 2 * len(keys) + 1))
+    events = await history(gateway, user, chat_id)
+    assert [e["seq"] for e in events] == list(range(1, 2 * len(keys) + 1))
     for key, replies in seqs_by_key.items():
         (seqs,) = replies
-        assert [page["events"][s - 1]["data"] for s in seqs] == [{"key": key, "j": j}
-                                                                 for j in range(2)]
+        assert [events[s - 1]["data"] for s in seqs] == [{"key": key, "j": j} for j in range(2)]
 
 
 async def test_a_burst_after_the_script_cache_was_flushed_succeeds(
     gateway: Any, redis_url: str, user: str, chat_id: str
 ) -> None:
-    async with httpx.AsyncClient(base_url=gateway.http) as http:
-        epoch = await create(http, gateway, user, chat_id)
+    epoch = (await create(gateway, user, chat_id))["epoch"]
     redis = aioredis.from_url(redis_url)
     try:
         await redis.script_flush()  # e.g. a restarted or failed-over server

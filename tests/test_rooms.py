@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from .publishing import publish
+from .steps import publish
 from .wsclient import connect
 
 pytestmark = pytest.mark.anyio

@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from gateway.auth import issue_token
 from gateway.embedded import EmbeddedRedis
 
-from .publishing import publish
+from .steps import publish, send_message
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
@@ -74,8 +74,7 @@ async def test_another_user_can_neither_read_nor_write_a_conversation(
         assert (await owner.events(chat_id, 1))[0]["data"] == {"secret": 1}
         await assert_usable(other, "no-leak")  # the event would have been queued first
 
-        await other.send({"type": "message", "chat_id": chat_id, "text": "hi",
-                          "client_msg_id": "m1", "id": "m1"})
+        await send_message(other, chat_id, "hi", "m1", id="m1")
         await other.expect("error", code="forbidden", id="m1", chat_id=chat_id)
         await other.send({"type": "cancel", "chat_id": chat_id, "id": "c1"})
         await other.expect("error", code="forbidden", id="c1", chat_id=chat_id)
@@ -257,8 +256,7 @@ async def test_slow_consumer_is_closed_4008_without_holding_up_the_room(
         await assert_usable(fast)
 
         # Closed, even if it does not know yet: what it still sends is ignored.
-        await slow.send({"type": "message", "chat_id": chat_id, "text": "too late",
-                         "client_msg_id": "late"})
+        await send_message(slow, chat_id, "too late", "late")
         # Its close must arrive after the frames already in flight, once it reads again.
         seen: list[int] = []
         with pytest.raises(ConnectionClosed):

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from gateway.frames import Frame
 from gateway.sse import SseMember, format_event, parse_last_event_id
 
-from .publishing import publish
+from .steps import create, publish
 
 pytestmark = pytest.mark.anyio
 
@@ -101,15 +101,6 @@ async def open_stream(gw: Any, chat_id: str, user: str, role: str = "user",
         yield EventStream(resp)
 
 
-async def create(gw: Any, chat_id: str, user: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.post("/v1/conversations", json={"chat_id": chat_id},
-                               headers=gw.headers(user))
-    assert resp.status_code == 201, resp.text
-    result: dict[str, Any] = resp.json()
-    return result
-
-
 
 
 def seq_of(block: Block, epoch: str) -> int:
@@ -171,7 +162,7 @@ def small_gw(start_gateway: Any) -> Any:
 async def test_live_durable_events_with_ids_and_stored_json(
     gateway: Any, redis_url: str, user: str, chat_id: str
 ) -> None:
-    conv = await create(gateway, chat_id, user)
+    conv = await create(gateway, user, chat_id)
     epoch = conv["epoch"]
     async with open_stream(gateway, chat_id, user) as sse:
         ready = await sse.event()
@@ -198,7 +189,7 @@ async def test_live_durable_events_with_ids_and_stored_json(
 
 
 async def test_service_token_and_query_token(gateway: Any, user: str, chat_id: str) -> None:
-    conv = await create(gateway, chat_id, user)
+    conv = await create(gateway, user, chat_id)
     async with open_stream(gateway, chat_id, "agent", role="service") as sse:
         assert (await sse.event())["id"] == f"{conv['epoch']}:0"
     url = f"{gateway.http}{stream_path(chat_id)}?token={gateway.token(user)}"
@@ -214,7 +205,7 @@ async def test_service_token_and_query_token(gateway: Any, user: str, chat_id: s
 
 async def test_deleted_is_sent_and_ends_the_stream(gateway: Any, user: str,
                                                    chat_id: str) -> None:
-    conv = await create(gateway, chat_id, user)
+    conv = await create(gateway, user, chat_id)
     async with open_stream(gateway, chat_id, user) as sse:
         await sse.event()  # ready
         async with httpx.AsyncClient(base_url=gateway.http) as http:
@@ -235,7 +226,7 @@ async def subscribers(client: aioredis.Redis, channel: str) -> int:
 
 async def test_disconnect_leaves_the_room(gateway: Any, redis_url: str, user: str,
                                           chat_id: str) -> None:
-    await create(gateway, chat_id, user)
+    await create(gateway, user, chat_id)
     channel = f"c:{{{chat_id}}}:ev"
     client = aioredis.from_url(redis_url)
     try:
@@ -252,7 +243,7 @@ async def test_disconnect_leaves_the_room(gateway: Any, redis_url: str, user: st
 
 async def test_stream_ends_when_the_token_expires(gateway: Any, user: str,
                                                   chat_id: str) -> None:
-    await create(gateway, chat_id, user)
+    await create(gateway, user, chat_id)
     url = f"{gateway.http}{stream_path(chat_id)}?token={gateway.token(user, ttl=2)}"
     async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=None)) as http, \
             http.stream("GET", url) as resp:
@@ -263,7 +254,7 @@ async def test_stream_ends_when_the_token_expires(gateway: Any, user: str,
 
 
 async def test_heartbeat_comments(small_gw: Any, user: str, chat_id: str) -> None:
-    await create(small_gw, chat_id, user)
+    await create(small_gw, user, chat_id)
     async with open_stream(small_gw, chat_id, user) as sse:
         assert (await sse.event())["event"] == "ready"
         for _ in range(2):
@@ -281,7 +272,7 @@ async def test_heartbeat_comments(small_gw: Any, user: str, chat_id: str) -> Non
 async def test_resume_with_last_event_id_is_gapless_while_publishing(
     gateway: Any, user: str, chat_id: str
 ) -> None:
-    epoch = (await create(gateway, chat_id, user))["epoch"]
+    epoch = (await create(gateway, user, chat_id))["epoch"]
     publisher = Publisher(gateway, chat_id)
     try:
         async with open_stream(gateway, chat_id, user) as sse:
@@ -310,7 +301,7 @@ async def test_resume_with_last_event_id_is_gapless_while_publishing(
 async def test_resume_when_nothing_was_missed_sends_only_live(
     gateway: Any, user: str, chat_id: str
 ) -> None:
-    epoch = (await create(gateway, chat_id, user))["epoch"]
+    epoch = (await create(gateway, user, chat_id))["epoch"]
     await publish(gateway, chat_id, {"type": "note", "data": {}})
     async with open_stream(gateway, chat_id, user, last_event_id=f"{epoch}:1") as sse:
         await publish(gateway, chat_id, {"type": "note", "data": {"n": 2}})
@@ -321,7 +312,7 @@ async def test_resume_when_nothing_was_missed_sends_only_live(
 async def test_last_event_id_query_and_header_precedence(
     gateway: Any, user: str, chat_id: str
 ) -> None:
-    epoch = (await create(gateway, chat_id, user))["epoch"]
+    epoch = (await create(gateway, user, chat_id))["epoch"]
     await publish(gateway, chat_id, *({"type": "note", "data": {"i": i}} for i in range(3)))
     async with open_stream(gateway, chat_id, user,
                            params={"last_event_id": f"{epoch}:1"}) as sse:
@@ -334,7 +325,7 @@ async def test_last_event_id_query_and_header_precedence(
 
 async def test_wrong_epoch_resets_without_replay(gateway: Any, user: str,
                                                  chat_id: str) -> None:
-    epoch = (await create(gateway, chat_id, user))["epoch"]
+    epoch = (await create(gateway, user, chat_id))["epoch"]
     await publish(gateway, chat_id, {"type": "note", "data": {}}, {"type": "note", "data": {}})
     async with open_stream(gateway, chat_id, user, last_event_id=f"not{epoch}:1") as sse:
         reset = await sse.event()
@@ -349,14 +340,14 @@ async def test_wrong_epoch_resets_without_replay(gateway: Any, user: str,
 
 async def test_seq_ahead_of_the_conversation_resets(gateway: Any, user: str,
                                                     chat_id: str) -> None:
-    epoch = (await create(gateway, chat_id, user))["epoch"]
+    epoch = (await create(gateway, user, chat_id))["epoch"]
     async with open_stream(gateway, chat_id, user, last_event_id=f"{epoch}:99") as sse:
         reset = await sse.event()
         assert reset["event"] == "reset" and reset["id"] == f"{epoch}:0"
 
 
 async def test_over_the_replay_limit_resets(small_gw: Any, user: str, chat_id: str) -> None:
-    epoch = (await create(small_gw, chat_id, user))["epoch"]
+    epoch = (await create(small_gw, user, chat_id))["epoch"]
     await publish(small_gw, chat_id, *({"type": "note", "data": {}} for _ in range(4)))
     async with open_stream(small_gw, chat_id, user, last_event_id=f"{epoch}:0") as sse:
         reset = await sse.event()
@@ -372,7 +363,7 @@ async def test_over_the_replay_limit_resets(small_gw: Any, user: str, chat_id: s
 
 async def test_refusals_are_json_before_the_stream(gateway: Any, user: str,
                                                    chat_id: str) -> None:
-    await create(gateway, chat_id, user)
+    await create(gateway, user, chat_id)
     async with httpx.AsyncClient(base_url=gateway.http) as http:
         cases = [
             (401, "unauthorized", stream_path(chat_id), {}),
@@ -392,7 +383,7 @@ async def test_refusals_are_json_before_the_stream(gateway: Any, user: str,
                                    "abc:12345678901234567890"])
 async def test_malformed_last_event_id_is_400(gateway: Any, user: str, chat_id: str,
                                               value: str) -> None:
-    await create(gateway, chat_id, user)
+    await create(gateway, user, chat_id)
     async with httpx.AsyncClient(base_url=gateway.http) as http:
         for headers, params in (({"Last-Event-ID": value}, {}), ({}, {"last_event_id": value})):
             resp = await http.get(stream_path(chat_id), headers=gateway.headers(user) | headers,
@@ -454,7 +445,7 @@ async def test_slow_reader_does_not_stall_fan_out_and_resumes(
     gateway: Any, user: str, chat_id: str
 ) -> None:
     gw = gateway  # queue_max_bytes: 1 MiB
-    epoch = (await create(gw, chat_id, user))["epoch"]
+    epoch = (await create(gw, user, chat_id))["epoch"]
     loop = asyncio.get_running_loop()
     slow = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import signal
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -30,13 +29,12 @@ from gateway.sdk.agent import Turn
 from gateway.sdk.client import Event, GatewayClient, StreamReset
 
 from .faults import until
+from .steps import history, send_message
 from .test_agent import (
     agent_process,
     agent_worker,
-    history,
     of_type,
     pending,
-    send_message,
     until_turn_end,
 )
 from .test_client import FAST, Watch, collect, take
@@ -151,8 +149,7 @@ def of(kind: str) -> Callable[[Frame], bool]:
 
 async def ask(ws: Client, screen: Screen, chat_id: str, text: str = "hi") -> str:
     """Send a user message; returns the turn's id once ``turn_start`` arrived."""
-    await ws.send({"type": "message", "chat_id": chat_id, "text": text,
-                   "client_msg_id": uuid.uuid4().hex})
+    await send_message(ws, chat_id, text)
     started = await read_until(ws, screen, of("turn_start"))
     turn_id: str = started["data"]["turn_id"]
     return turn_id

@@ -10,25 +10,11 @@ from typing import Any
 import httpx
 import pytest
 
+from .steps import post_events as post
+from .steps import start_turn
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio
-
-
-async def post(gw: Any, chat_id: str, *events: dict[str, Any]) -> httpx.Response:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        return await http.post(f"/v1/conversations/{chat_id}/events",
-                               json={"events": list(events)},
-                               headers=gw.headers("agent", "service"))
-
-
-async def start_turn(ws: Client, chat_id: str, text: str = "hi") -> str:
-    """Subscribe ``ws`` and send a message; returns the running turn's id."""
-    await ws.send({"type": "message", "chat_id": chat_id, "text": text,
-                   "client_msg_id": f"m-{random.random()}"})
-    frame = await ws.wait_for(lambda f: f.get("type") == "turn_start")
-    turn_id: str = frame["data"]["turn_id"]
-    return turn_id
 
 
 def delta(text: str, attempt: str = "a1", kind: str = "delta") -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .publishing import publish
+from .steps import create, history, message_and_reply, post_events, publish, reply
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio
@@ -27,25 +27,6 @@ def http(gw: Any, user: str | None = None, role: str = "user") -> httpx.AsyncCli
     return httpx.AsyncClient(base_url=gw.http, headers=headers)
 
 
-async def create(gw: Any, user: str, chat_id: str, title: str | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"chat_id": chat_id}
-    if title is not None:
-        body["title"] = title
-    async with http(gw, user) as client:
-        resp = await client.post("/v1/conversations", json=body)
-    assert resp.status_code == 201, resp.text
-    result: dict[str, Any] = resp.json()
-    return result
-
-
-async def history(gw: Any, user: str, chat_id: str) -> list[Frame]:
-    async with http(gw, user) as client:
-        resp = await client.get(f"/v1/conversations/{chat_id}/events", params={"after": 0})
-    assert resp.status_code == 200, resp.text
-    events: list[Frame] = resp.json()["events"]
-    return events
-
-
 async def conversation(gw: Any, user: str, chat_id: str) -> dict[str, Any]:
     async with http(gw, user) as client:
         resp = await client.get(f"/v1/conversations/{chat_id}")
@@ -54,35 +35,11 @@ async def conversation(gw: Any, user: str, chat_id: str) -> dict[str, Any]:
     return result
 
 
-async def agent_publish(gw: Any, chat_id: str, *events: dict[str, Any]) -> httpx.Response:
-    async with http(gw, "agent", "service") as client:
-        return await client.post(f"/v1/conversations/{chat_id}/events",
-                                 json={"events": list(events)})
-
-
-async def reply(ws: Client, chat_id: str, kind: str, count: int = 0,
-                **request: Any) -> tuple[Frame, list[Frame]]:
-    """Send a ``kind`` request; return its ack (or error) and the next ``count`` event frames
-    of ``chat_id`` (the two may interleave: the reply is sent once the events are stored)."""
-    await ws.send({"type": kind, "chat_id": chat_id, **request})
-    answer: Frame | None = None
-    events: list[Frame] = []
-    async with asyncio.timeout(5):
-        while answer is None or len(events) < count:
-            frame = await ws.recv()
-            if frame["type"] in ("ack", "error"):
-                assert answer is None, (answer, frame)
-                answer = frame
-            else:
-                assert frame.get("chat_id") == chat_id and "seq" in frame, frame
-                events.append(frame)
-    return answer, events
-
-
-async def send_message(ws: Client, chat_id: str, text: str, client_msg_id: str,
-                       count: int = 2, **extra: Any) -> tuple[Frame, list[Frame]]:
-    return await reply(ws, chat_id, "message", count, text=text,
-                       client_msg_id=client_msg_id, **extra)
+async def cancel(ws: Client, chat_id: str, count: int = 0,
+                 **request: Any) -> tuple[Frame, list[Frame]]:
+    """Send a ``cancel``; return its ack (or error) and the next ``count`` event frames."""
+    await ws.send({"type": "cancel", "chat_id": chat_id, **request})
+    return await reply(ws, chat_id, count)
 
 
 async def feed(ws: Client, chat_id: str, **fields: Any) -> Frame:
@@ -106,7 +63,7 @@ async def test_message_is_acked_and_starts_a_turn(gateway: Any, user: str, chat_
     async with connect(gateway.url(user)) as ws, connect(gateway.url(user)) as other:
         sub = await ws.subscribe(chat_id)
         assert sub["snapshot"]["status"] == "idle" and sub["seq"] == 0
-        ack, events = await send_message(ws, chat_id, "Plan a trip", "m-1", id=11,
+        ack, events = await message_and_reply(ws, chat_id, "Plan a trip", "m-1", id=11,
                                          data={"attachments": []})
         assert ack == {"type": "ack", "chat_id": chat_id, "seq": 1, "client_msg_id": "m-1",
                        "turn_id": ack["turn_id"], "duplicate": False, "id": 11}
@@ -133,7 +90,7 @@ async def test_message_is_acked_and_starts_a_turn(gateway: Any, user: str, chat_
 async def test_message_to_an_unknown_chat_creates_it(gateway: Any, user: str,
                                                      chat_id: str) -> None:
     async with connect(gateway.url(user)) as ws, connect(gateway.url(user)) as other:
-        ack, _ = await send_message(ws, chat_id, "hello", "first", count=0)
+        ack, _ = await message_and_reply(ws, chat_id, "hello", "first", count=0)
         assert ack["type"] == "ack" and ack["seq"] == 1 and ack["duplicate"] is False
         created = await feed(other, chat_id, created=True)
         assert created["status"] == "running" and created["preview"] == "hello"
@@ -147,21 +104,21 @@ async def test_retried_message_is_a_duplicate_even_after_reconnecting(
     await create(gateway, user, chat_id)
     async with connect(gateway.url(user)) as ws:
         await ws.subscribe(chat_id)
-        first, _ = await send_message(ws, chat_id, "once", "m-retry")
-        again, _ = await send_message(ws, chat_id, "once", "m-retry", count=0)
+        first, _ = await message_and_reply(ws, chat_id, "once", "m-retry")
+        again, _ = await message_and_reply(ws, chat_id, "once", "m-retry", count=0)
         assert again == {**first, "duplicate": True}
         await pong(ws)  # and no event frame came with the duplicate
     async with connect(gateway.url(user)) as ws:  # as after a reconnect
-        again, _ = await send_message(ws, chat_id, "once, retried", "m-retry", count=0, id="r")
+        again, _ = await message_and_reply(ws, chat_id, "once, retried", "m-retry", count=0, id="r")
         assert again == {**first, "duplicate": True, "id": "r"}
     stored = await history(gateway, user, chat_id)
     assert [(e["type"], e["seq"]) for e in stored] == [("user_message", 1), ("turn_start", 2)]
     assert stored[0]["data"]["text"] == "once"
 
     # Still a duplicate once the turn is over: it must not start another turn.
-    assert (await agent_publish(gateway, chat_id, {"type": "turn_end", "data": {}})).is_success
+    assert (await post_events(gateway, chat_id, {"type": "turn_end", "data": {}})).is_success
     async with connect(gateway.url(user)) as ws:
-        again, _ = await send_message(ws, chat_id, "once", "m-retry", count=0)
+        again, _ = await message_and_reply(ws, chat_id, "once", "m-retry", count=0)
         assert again == {**first, "duplicate": True}
     assert len(await history(gateway, user, chat_id)) == 3
     assert (await conversation(gateway, user, chat_id))["status"] == "idle"
@@ -171,9 +128,9 @@ async def test_same_client_msg_id_from_another_user_is_not_a_duplicate(
     gateway: Any, user: str, chat_id: str
 ) -> None:
     async with connect(gateway.url(user)) as ws:
-        mine, _ = await send_message(ws, chat_id, "mine", "shared-id", count=0)
+        mine, _ = await message_and_reply(ws, chat_id, "mine", "shared-id", count=0)
     async with connect(gateway.url(user + "x")) as ws:
-        theirs, _ = await send_message(ws, chat_id + "x", "theirs", "shared-id", count=0)
+        theirs, _ = await message_and_reply(ws, chat_id + "x", "theirs", "shared-id", count=0)
     assert mine["duplicate"] is False and theirs["duplicate"] is False
     assert mine["turn_id"] != theirs["turn_id"]
 
@@ -183,8 +140,8 @@ async def test_message_while_a_turn_runs_is_refused(gateway: Any, user: str,
     await create(gateway, user, chat_id)
     async with connect(gateway.url(user)) as ws:
         await ws.subscribe(chat_id)
-        first, _ = await send_message(ws, chat_id, "first", "m-a")
-        error, _ = await send_message(ws, chat_id, "second", "m-b", count=0, id=5)
+        first, _ = await message_and_reply(ws, chat_id, "first", "m-a")
+        error, _ = await message_and_reply(ws, chat_id, "second", "m-b", count=0, id=5)
         assert error["type"] == "error" and error["code"] == "turn_in_progress"
         assert error["id"] == 5 and error["chat_id"] == chat_id
         assert first["turn_id"] in error["message"]
@@ -192,10 +149,10 @@ async def test_message_while_a_turn_runs_is_refused(gateway: Any, user: str,
         assert len(await history(gateway, user, chat_id)) == 2
 
         # The refused attempt was not remembered: once the turn ends, the same id goes in.
-        assert (await agent_publish(gateway, chat_id, {"type": "turn_end", "data": {}})).is_success
+        assert (await post_events(gateway, chat_id, {"type": "turn_end", "data": {}})).is_success
         (end,) = await ws.events(chat_id, 1)
         assert end["type"] == "turn_end" and end["data"]["turn_id"] == first["turn_id"]
-        second, events = await send_message(ws, chat_id, "second", "m-b")
+        second, events = await message_and_reply(ws, chat_id, "second", "m-b")
         assert second["duplicate"] is False and second["seq"] == 4
         assert second["turn_id"] != first["turn_id"]
         assert [e["seq"] for e in events] == [4, 5]
@@ -205,7 +162,7 @@ async def test_text_over_the_limit_is_refused(gateway: Any, user: str, chat_id: 
     limit = 32 * 1024
     async with connect(gateway.url(user)) as ws:
         assert ws.hello["limits"]["max_text_bytes"] == limit
-        error, _ = await send_message(ws, chat_id, "é" * (limit // 2 + 1), "big", count=0)
+        error, _ = await message_and_reply(ws, chat_id, "é" * (limit // 2 + 1), "big", count=0)
         assert error["code"] == "text_too_long"
         await pong(ws)
 
@@ -216,7 +173,7 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
     await create(gateway, user, chat_id, title="Trip plan")
     async with connect(gateway.url(user)) as ws, connect(gateway.url(user)) as other:
         await ws.subscribe(chat_id)
-        ack, (_, turn_start) = await send_message(ws, chat_id, "Plan Lisbon", "m-goal")
+        ack, (_, turn_start) = await message_and_reply(ws, chat_id, "Plan Lisbon", "m-goal")
         turn_id = ack["turn_id"]
 
         # A subscriber arriving mid-turn is hydrated with the running turn.
@@ -226,7 +183,7 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
                             "started_at": turn_start["data"]["started_at"], "goal_state": None,
                             "streams": []}
 
-        resp = await agent_publish(gateway, chat_id, {"type": "goal_state", "data": GOAL})
+        resp = await post_events(gateway, chat_id, {"type": "goal_state", "data": GOAL})
         assert resp.status_code == 200, resp.text
         (goal,) = await ws.events(chat_id, 1)
         assert goal["type"] == "goal_state" and goal["seq"] == 4
@@ -236,7 +193,7 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
         item = await feed(other, chat_id, last_seq=4)
         assert item["goal_state"] == goal["data"] and item["status"] == "running"
 
-        resp = await agent_publish(gateway, chat_id,
+        resp = await post_events(gateway, chat_id,
                                    {"type": "turn_end", "data": {"reason": "complete"}})
         assert resp.status_code == 200, resp.text
         (end,) = await ws.events(chat_id, 1)
@@ -266,14 +223,14 @@ async def test_turn_end_with_a_stale_turn_id_is_refused(gateway: Any, user: str,
                                                         chat_id: str) -> None:
     async with connect(gateway.url(user)) as ws:
         await ws.subscribe(chat_id)
-        ack, _ = await send_message(ws, chat_id, "go", "m-1")
-        resp = await agent_publish(gateway, chat_id,
+        ack, _ = await message_and_reply(ws, chat_id, "go", "m-1")
+        resp = await post_events(gateway, chat_id,
                                    {"type": "turn_end", "data": {"turn_id": "t_stale"}})
         assert resp.status_code == 409 and resp.json()["error"]["code"] == "turn_mismatch"
-        resp = await agent_publish(gateway, chat_id, {"type": "turn_end",
+        resp = await post_events(gateway, chat_id, {"type": "turn_end",
                                                       "data": {"turn_id": ack["turn_id"]}})
         assert resp.status_code == 200, resp.text
-        resp = await agent_publish(gateway, chat_id, {"type": "turn_end", "data": {}})
+        resp = await post_events(gateway, chat_id, {"type": "turn_end", "data": {}})
         assert resp.status_code == 409 and resp.json()["error"]["code"] == "no_active_turn"
         (end,) = await ws.events(chat_id, 1)
         assert end["seq"] == 3 and end["data"]["turn_id"] == ack["turn_id"]
@@ -283,7 +240,7 @@ async def test_silent_turn_times_out(quick_turns: Any, user: str, chat_id: str) 
     gw = quick_turns
     async with connect(gw.url(user)) as ws, connect(gw.url(user)) as other:
         await ws.subscribe(chat_id)
-        ack, (_, start) = await send_message(ws, chat_id, "anyone there?", "m-1")
+        ack, (_, start) = await message_and_reply(ws, chat_id, "anyone there?", "m-1")
         (end,) = await ws.events(chat_id, 1)
         assert end["type"] == "turn_end" and end["seq"] == 3
         assert end["data"]["reason"] == "timeout" and end["data"]["turn_id"] == ack["turn_id"]
@@ -291,7 +248,7 @@ async def test_silent_turn_times_out(quick_turns: Any, user: str, chat_id: str) 
         assert end["data"]["latency_ms"] == end["ts"] - start["data"]["started_at"]
         await feed(other, chat_id, status="idle", last_seq=3)
         # The conversation is idle again: a new message starts a new turn.
-        again, _ = await send_message(ws, chat_id, "hello?", "m-2")
+        again, _ = await message_and_reply(ws, chat_id, "hello?", "m-2")
         assert again["type"] == "ack" and again["seq"] == 4
 
 
@@ -300,13 +257,13 @@ async def test_timeout_ends_only_the_turn_it_was_set_for(quick_turns: Any, user:
     gw = quick_turns
     async with connect(gw.url(user)) as ws:
         await ws.subscribe(chat_id)
-        await send_message(ws, chat_id, "one", "m-1")
-        assert (await agent_publish(gw, chat_id, {"type": "turn_end", "data": {}})).is_success
+        await message_and_reply(ws, chat_id, "one", "m-1")
+        assert (await post_events(gw, chat_id, {"type": "turn_end", "data": {}})).is_success
         (end,) = await ws.events(chat_id, 1)
         assert end["data"]["reason"] == "complete"
         # The first turn's deadline passes while the second turn runs: only the second
         # turn's own deadline may end it.
-        second, _ = await send_message(ws, chat_id, "two", "m-2")
+        second, _ = await message_and_reply(ws, chat_id, "two", "m-2")
         (end,) = await ws.events(chat_id, 1)
         assert end["type"] == "turn_end" and end["seq"] == 6, end
         assert end["data"]["turn_id"] == second["turn_id"]
@@ -318,25 +275,25 @@ async def test_cancel_during_a_turn(gateway: Any, user: str, chat_id: str) -> No
     await create(gateway, user, chat_id)
     async with connect(gateway.url(user)) as ws:
         await ws.subscribe(chat_id)
-        ack, _ = await send_message(ws, chat_id, "long task", "m-1")
+        ack, _ = await message_and_reply(ws, chat_id, "long task", "m-1")
         turn_id = ack["turn_id"]
-        cancel_ack, (event,) = await reply(ws, chat_id, "cancel", 1, id="c1")
+        cancel_ack, (event,) = await cancel(ws, chat_id, 1, id="c1")
         assert cancel_ack["type"] == "ack" and cancel_ack["id"] == "c1"
         assert cancel_ack["seq"] == 3 and cancel_ack["duplicate"] is False
         assert event["type"] == "cancel_requested" and event["seq"] == 3
         assert event["data"] == {"turn_id": turn_id}
         # Cancelling is a request to the agent: the turn still runs until it ends it.
         assert (await conversation(gateway, user, chat_id))["status"] == "running"
-        wrong, _ = await reply(ws, chat_id, "cancel", turn_id="t_other")
+        wrong, _ = await cancel(ws, chat_id, turn_id="t_other")
         assert wrong["type"] == "error" and wrong["code"] == "turn_mismatch"
 
-        resp = await agent_publish(gateway, chat_id,
+        resp = await post_events(gateway, chat_id,
                                    {"type": "turn_end", "data": {"reason": "cancelled"}})
         assert resp.status_code == 200, resp.text
         (end,) = await ws.events(chat_id, 1)
         assert end["data"]["reason"] == "cancelled" and end["data"]["turn_id"] == turn_id
 
-        late, _ = await reply(ws, chat_id, "cancel", turn_id=turn_id, id=2)
+        late, _ = await cancel(ws, chat_id, turn_id=turn_id, id=2)
         assert late["type"] == "error" and late["code"] == "no_active_turn"
         assert late["id"] == 2 and late["chat_id"] == chat_id
         await pong(ws)
@@ -349,11 +306,11 @@ async def test_cancel_with_no_turn_and_on_someone_elses_chat(gateway: Any, user:
                                                              chat_id: str) -> None:
     await create(gateway, user, chat_id)
     async with connect(gateway.url(user)) as ws:
-        error, _ = await reply(ws, chat_id, "cancel")
+        error, _ = await cancel(ws, chat_id)
         assert error["type"] == "error" and error["code"] == "no_active_turn"
-        await send_message(ws, chat_id, "go", "m-1", count=0)
+        await message_and_reply(ws, chat_id, "go", "m-1", count=0)
     async with connect(gateway.url(user + "z")) as intruder:
-        error, _ = await reply(intruder, chat_id, "cancel")
+        error, _ = await cancel(intruder, chat_id)
         assert error["type"] == "error" and error["code"] == "forbidden"
         await pong(intruder)
     assert [e["type"] for e in await history(gateway, user, chat_id)] == [
@@ -379,7 +336,7 @@ async def test_rename_reaches_the_room_and_the_feed(gateway: Any, user: str,
         item = await feed(other, chat_id, title="New name")  # `other` never subscribed
         assert item["last_seq"] == 2 and item["status"] == "idle"
 
-        resp = await agent_publish(gateway, chat_id,
+        resp = await post_events(gateway, chat_id,
                                    {"type": "title", "data": {"title": "By the agent"}})
         assert resp.status_code == 200, resp.text
         (event,) = await ws.events(chat_id, 1)
@@ -442,7 +399,7 @@ async def test_rename_needs_the_owner_and_an_existing_chat(gateway: Any, user: s
 async def test_reserved_types_cannot_be_published(gateway: Any, user: str, chat_id: str,
                                                   kind: str) -> None:
     await create(gateway, user, chat_id)
-    resp = await agent_publish(gateway, chat_id, {"type": "note", "data": {}},
+    resp = await post_events(gateway, chat_id, {"type": "note", "data": {}},
                                {"type": kind, "data": {"text": "forged"}})
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
@@ -460,7 +417,7 @@ async def test_reserved_types_cannot_be_published(gateway: Any, user: str, chat_
 async def test_invalid_goal_state_is_refused(gateway: Any, user: str, chat_id: str,
                                              data: dict[str, Any], field: str) -> None:
     await create(gateway, user, chat_id)
-    resp = await agent_publish(gateway, chat_id, {"type": "goal_state", "data": data})
+    resp = await post_events(gateway, chat_id, {"type": "goal_state", "data": data})
     assert resp.status_code in (400, 422), resp.text
     assert field in resp.json()["error"]["message"]
     state = await conversation(gateway, user, chat_id)
@@ -471,13 +428,13 @@ async def test_invalid_turn_end_and_title_events_are_refused(gateway: Any, user:
                                                              chat_id: str) -> None:
     await create(gateway, user, chat_id)
     async with connect(gateway.url(user)) as ws:
-        await send_message(ws, chat_id, "go", "m-1", count=0)
-    resp = await agent_publish(gateway, chat_id, {"type": "turn_end",
+        await message_and_reply(ws, chat_id, "go", "m-1", count=0)
+    resp = await post_events(gateway, chat_id, {"type": "turn_end",
                                                   "data": {"reason": "bored"}})
     assert resp.status_code in (400, 422) and "reason" in resp.json()["error"]["message"]
-    resp = await agent_publish(gateway, chat_id, {"type": "title", "data": {"title": "  "}})
+    resp = await post_events(gateway, chat_id, {"type": "title", "data": {"title": "  "}})
     assert resp.status_code == 400 and "title" in resp.json()["error"]["message"]
-    resp = await agent_publish(gateway, chat_id, {"type": "title", "data": {}})
+    resp = await post_events(gateway, chat_id, {"type": "title", "data": {}})
     assert resp.status_code in (400, 422) and "title" in resp.json()["error"]["message"]
     state = await conversation(gateway, user, chat_id)
     assert state["status"] == "running" and state["last_seq"] == 2
@@ -531,16 +488,16 @@ async def test_list_is_newest_first_with_previews_and_pages(gateway: Any, user: 
             await later_than(ws, last_ts)
             await ws.subscribe(chat)
             text = long_text if i == 1 else f"message {i}"
-            _, (_, start) = await send_message(ws, chat, text, f"m-{i}")
+            _, (_, start) = await message_and_reply(ws, chat, text, f"m-{i}")
             last_ts = start["ts"]
         # Chat 0 gets a second message: it becomes the newest, with the new preview.
         await later_than(ws, last_ts)
         await publish(gateway, chats[0], {"type": "turn_end", "data": {}})
         (end,) = await ws.events(chats[0], 1)
         await later_than(ws, end["ts"])
-        await send_message(ws, chats[0], "  second   message ", "m-0b")
+        await message_and_reply(ws, chats[0], "  second   message ", "m-0b")
     async with connect(gateway.url(user + "x")) as ws:  # someone else's chat: not listed
-        await send_message(ws, user + "-x", "not mine", "m-x", count=0)
+        await message_and_reply(ws, user + "-x", "not mine", "m-x", count=0)
 
     (everything,) = await list_all(gateway, user, limit=50)
     assert [c["chat_id"] for c in everything] == [chats[0], chats[3], chats[2], chats[1]]

@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 
-from .publishing import publish
+from .steps import create, publish, send_message
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
@@ -94,8 +94,7 @@ async def test_bad_frames_get_clear_errors_and_lose_nothing(
         # Over the text limit, in a frame under the frame limit: refused, not stored.
         limit = ws.hello["limits"]["max_text_bytes"]
         assert limit == 32 * 1024
-        await ws.send({"type": "message", "chat_id": chat_id, "text": "é" * (limit // 2 + 1),
-                       "client_msg_id": "long", "id": "too-long"})
+        await send_message(ws, chat_id, "é" * (limit // 2 + 1), "long", id="too-long")
         err = await ws.expect("error", code="text_too_long", id="too-long", chat_id=chat_id)
         assert str(limit) in err["message"]
 
@@ -106,8 +105,7 @@ async def test_bad_frames_get_clear_errors_and_lose_nothing(
         mine, theirs = await ws.events(chat_id, 1), await other.events(chat_id, 1)
         assert mine == theirs and mine[0]["seq"] == 1 and mine[0]["data"] == {"n": 1}
         # ...and a message of exactly the limit is accepted.
-        await ws.send({"type": "message", "chat_id": chat_id, "text": "a" * limit,
-                       "client_msg_id": "exact", "id": "ok"})
+        await send_message(ws, chat_id, "a" * limit, "exact", id="ok")
         ack = await ws.wait_for(lambda f: f["type"] == "ack")
         assert ack["id"] == "ok" and ack["seq"] == 2 and ack["duplicate"] is False
         message = await other.events(chat_id, 1)
@@ -120,8 +118,7 @@ async def test_unknown_fields_are_ignored(gateway: Any, user: str, chat_id: str)
                        "priority": "high"})
         sub = await ws.expect("subscribed", chat_id=chat_id, id=1)
         assert sub["seq"] == 0
-        await ws.send({"type": "message", "chat_id": chat_id, "text": "hello", "id": 2,
-                       "client_msg_id": "m1", "attachments": [], "since": "whenever"})
+        await send_message(ws, chat_id, "hello", "m1", id=2, attachments=[], since="whenever")
         ack = await ws.wait_for(lambda f: f["type"] == "ack")
         assert ack["id"] == 2 and ack["client_msg_id"] == "m1" and ack["seq"] == 1
         await ws.send({"type": "ping", "id": "p", "extra": None})
@@ -198,8 +195,7 @@ async def test_msgpack_subprotocol_speaks_the_same_schema(
         assert err_d["chat_id"] == "no spaces!" and "$.chat_id" in err_d["message"]
 
         # A message sent as MessagePack reaches the JSON client.
-        await mp.send({"type": "message", "chat_id": chat_id, "text": "from msgpack",
-                       "client_msg_id": "mp1", "id": 2})
+        await send_message(mp, chat_id, "from msgpack", "mp1", id=2)
         ack = await mp.wait_for(lambda f: f["type"] == "ack")
         assert ack["id"] == 2 and ack["seq"] == 2
         got = await plain.events(chat_id, 1)
@@ -274,10 +270,8 @@ async def test_http_publish_validation(gateway: Any, user: str, chat_id: str) ->
 
 async def test_http_path_and_query_validation(gateway: Any, user: str, chat_id: str) -> None:
     headers = gateway.headers(user)
+    await create(gateway, user, chat_id)
     async with httpx.AsyncClient(base_url=gateway.http) as http:
-        created = await http.post("/v1/conversations", json={"chat_id": chat_id},
-                                  headers=headers)
-        assert created.status_code == 201, created.text
         url = f"/v1/conversations/{chat_id}/events"
         for query, field in [("limit=0", "limit"), ("after=-1", "after"),
                              ("limit=1001", "limit"), ("limit=abc", "limit")]:
