@@ -8,7 +8,7 @@ from typing import NamedTuple
 import msgspec
 import pytest
 
-from gateway.hub import Frame  # may move to gateway.frames
+from gateway.frames import Frame
 from gateway.transport.frames import binary_frame, text_frame
 
 OP_TEXT, OP_BINARY = 0x1, 0x2
