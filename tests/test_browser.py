@@ -75,8 +75,8 @@ def demo(start_gateway: Any, browser_redis: str) -> GatewayProcess:
 @pytest.fixture(scope="module")
 def agent(demo: GatewayProcess) -> Iterator[subprocess.Popen[bytes]]:
     """The demo agent, a worker process reading the inbox of the same Redis."""
-    demo_agent = Path(__file__).parent.parent / "gateway" / "demo_agent.py"
-    assert demo_agent.exists(), "gateway/demo_agent.py is missing"
+    demo_agent = Path(__file__).parent.parent / "gateway" / "sdk" / "demo_agent.py"
+    assert demo_agent.exists(), "gateway/sdk/demo_agent.py is missing"
     with open(Path(demo.env["GATEWAY_DATA_DIR"]) / "browser-agent.log", "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "agent", "gateway.sdk.demo_agent:handle",
