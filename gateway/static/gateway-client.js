@@ -657,7 +657,16 @@ export class GatewayClient {
     if (req) this._pending.delete(/** @type {RequestId} */ (frame.id));
     const chat = this._chats.get(frame.chat_id);
     if (!chat) return; // left meanwhile
-    if (frame.id != null && chat.subReq != null && frame.id !== chat.subReq) return; // superseded
+    if (frame.id != null && chat.subReq != null && frame.id !== chat.subReq) {
+      // Superseded: the later subscribe's reply is the one that counts. When that one drains
+      // this connection's buffer, though, the buffered frames continue from this reply's
+      // position: keep it if the client has none, or it would take them for duplicates.
+      if (chat.subMode === "buffer" && chat.epoch == null) {
+        chat.epoch = frame.epoch;
+        chat.seq = frame.seq;
+      }
+      return;
+    }
     const mode = chat.subMode ?? "again";
     chat.subReq = null;
     chat.subMode = null;

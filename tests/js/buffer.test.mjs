@@ -44,6 +44,57 @@ test("unsubscribe then subscribe drains the buffer; after a reconnect, since", a
   assert.deepEqual(resumed.since, { seq: 7, epoch: "e1" }, "since after a reconnect");
 });
 
+test("switching away and back before the first reply still delivers the buffered events", async (t) => {
+  // subscribe, unsubscribe and subscribe again within one round trip (a user clicking
+  // through chats): the first reply is superseded, but it is the position the buffered
+  // frames continue from.
+  const { server, client } = await setup(t);
+  const seen = [];
+  const modes = [];
+  client.on("event", (f) => seen.push(f.seq));
+  client.on("subscribed", (s) => modes.push(s.mode));
+  client.connect();
+  const conn = await server.accept(client, 1);
+  const first = client.subscribe("c1");
+  client.unsubscribe("c1");
+  const back = client.subscribe("c1");
+  const [req1, req2] = [await conn.next("subscribe"), await conn.next("subscribe")];
+  const unsub = await conn.next("unsubscribe");
+  assert.equal(req2.since, undefined, "drains the buffer");
+  // What the gateway answers: live from seq 4; events 5 and 6 stored while unsubscribed
+  // are buffered; the second subscribe drains them.
+  conn.subscribed(req1, { seq: 4 });
+  conn.push({ type: "unsubscribed", chat_id: "c1", id: unsub.id });
+  conn.subscribed(req2, { seq: 6, buffered: 2, overflowed: false });
+  conn.push(ev("c1", 5), ev("c1", 6), ev("c1", 7));
+  await roundTrip(client);
+  assert.equal((await back).id, req2.id);
+  assert.equal(await first, null, "the first waiter was let go by the unsubscribe");
+  assert.deepEqual(seen, [5, 6, 7], "the buffered events too");
+  assert.equal(client.duplicatesDropped, 0);
+  assert.deepEqual(modes, ["buffer"]);
+});
+
+test("leave then subscribe before the first reply starts fresh from the new reply", async (t) => {
+  const { server, client } = await setup(t);
+  const seen = [];
+  client.on("event", (f) => seen.push(f.seq));
+  client.connect();
+  const conn = await server.accept(client, 1);
+  client.subscribe("c1");
+  client.leave("c1");
+  client.subscribe("c1");
+  const [req1, req2] = [await conn.next("subscribe"), await conn.next("subscribe")];
+  const leave = await conn.next("leave");
+  conn.subscribed(req1, { seq: 4 });
+  conn.push({ type: "left", chat_id: "c1", id: leave.id });
+  conn.subscribed(req2, { seq: 6 }); // nothing buffered after a leave: live from 6
+  conn.push(ev("c1", 7));
+  await roundTrip(client);
+  assert.deepEqual(seen, [7]);
+  assert.equal(conn.of("subscribe").length, 2, "no gap to repair");
+});
+
 test("an overflowed buffer: the gateway replays durable events instead", async (t) => {
   const { server, client } = await setup(t);
   const seen = [];
