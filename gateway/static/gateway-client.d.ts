@@ -111,7 +111,7 @@ export interface PongFrame { type: "pong"; id?: RequestId; ts: number }
 export type ErrorCode =
   | "malformed" | "unknown_type" | "invalid_frame" | "forbidden" | "not_found"
   | "text_too_long" | "too_many_subscriptions" | "turn_in_progress" | "no_active_turn"
-  | "turn_mismatch" | "rate_limited" | (string & {});
+  | "turn_mismatch" | "rate_limited" | "replication_timeout" | (string & {});
 
 export interface ErrorFrame {
   type: "error";
@@ -326,7 +326,11 @@ export declare class GatewayClient {
   /** Round-trip time in ms. */
   ping(): Promise<number>;
 
-  /** Resolves with the `subscribed` frame, or null if unsubscribed/left before it came. */
+  /**
+   * Resolves with the `subscribed` frame, or null if unsubscribed, left or deleted before it
+   * came. Rejects with a GatewayError when the gateway refuses (e.g. code "forbidden",
+   * "not_found", "too_many_subscriptions"); the client then forgets the chat.
+   */
   subscribe(chatId: string, options?: SubscribeOptions): Promise<SubscribedFrame | null>;
   unsubscribe(chatId: string): Promise<UnsubscribedFrame | null>;
   leave(chatId: string): Promise<LeftFrame | null>;

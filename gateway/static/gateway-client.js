@@ -1,3 +1,4 @@
+// @ts-check
 // gateway-client.js: a client for the gateway wire protocol v1 (see protocol.md).
 //
 // One ES module, no dependencies, no build step. Works in browsers and in any runtime with a
@@ -22,6 +23,56 @@
 //   (deltas included) are drained; after a reconnect it resumes with `since` instead;
 // - sendMessage() makes a client_msg_id once and reuses it for every retry; messages and
 //   cancels are queued while disconnected and sent once, in order, after the resubscribes.
+//
+// The public types live in gateway-client.d.ts; the JSDoc below uses them, and
+// tests/js (tsc) checks this file against them and the .d.ts against this file.
+
+/**
+ * @import {
+ *   AckFrame, ConnectionState, ConversationFrame, ErrorFrame, EventFrame, GatewayClientEvents,
+ *   GatewayClientOptions, HelloFrame, LeftFrame, PongFrame, RequestId, SendMessageOptions,
+ *   ServerFrame, Since, StateChange, StreamState, SubscribedEvent, SubscribedFrame,
+ *   SubscribeOptions, TokenRequest, TokenSource, UnsubscribedFrame,
+ * } from "./gateway-client.js"
+ */
+
+/**
+ * A chat as the client holds it (see _chat).
+ * @typedef {object} ChatState
+ * @property {string} id
+ * @property {"live" | "off"} want
+ * @property {"none" | "live" | "buffering"} server
+ * @property {string | null} epoch
+ * @property {number | null} seq
+ * @property {number | null} subReq
+ * @property {SubscribedEvent["mode"] | null} subMode
+ * @property {{resolve: (frame: SubscribedFrame | null) => void, reject: (error: GatewayError) => void}[]} waiters
+ * @property {SubscribedFrame["snapshot"] | null} snapshot
+ * @property {Map<string, StreamState>} streams
+ * @property {boolean} resyncing
+ */
+
+/**
+ * A queued message or cancel (see _enqueue).
+ * @typedef {object} OutboxEntry
+ * @property {"message" | "cancel"} kind
+ * @property {{type: "message" | "cancel", chat_id: string, [field: string]: unknown}} frame
+ * @property {(ack: AckFrame | null) => void} resolve
+ * @property {(error: GatewayError) => void} reject
+ * @property {number | null} reqId
+ * @property {number} attempts
+ */
+
+/**
+ * A request waiting for its answer, by request id.
+ * @typedef {object} PendingRequest
+ * @property {"subscribe" | "unsubscribe" | "leave" | "ping" | "message" | "cancel"} kind
+ * @property {string} [chatId]
+ * @property {object} [frame]
+ * @property {OutboxEntry} [entry]
+ * @property {(frame: ServerFrame | null) => void} [resolve]
+ * @property {(error: GatewayError) => void} [reject]
+ */
 
 export const JSON_SUBPROTOCOL = "gateway.v1.json";
 
@@ -38,7 +89,10 @@ export const CloseCodes = Object.freeze({
   TOO_MANY: 4029,
 });
 
-/** Close codes after which reconnecting cannot help: the app must fix something first. */
+/**
+ * Close codes after which reconnecting cannot help: the app must fix something first.
+ * @type {ReadonlySet<number>}
+ */
 export const TERMINAL_CLOSE_CODES = Object.freeze(new Set([4001, 4003, 4004]));
 /** Close codes that ask for a real backoff before the next attempt (never an instant retry). */
 const BUSY_CLOSE_CODES = new Set([4029, 1013]);
@@ -48,6 +102,11 @@ const REPLY_TYPES = new Set(["hello", "subscribed", "unsubscribed", "left", "ack
 
 /** An error reported by the gateway (an `error` frame), or by the client itself. */
 export class GatewayError extends Error {
+  /**
+   * @param {string} code
+   * @param {string} [message]
+   * @param {ErrorFrame | null} [frame]
+   */
   constructor(code, message, frame = null) {
     super(message || code);
     this.name = "GatewayError";
@@ -56,7 +115,10 @@ export class GatewayError extends Error {
   }
 }
 
-/** A fresh, unguessable client_msg_id. */
+/**
+ * A fresh, unguessable client_msg_id.
+ * @returns {string}
+ */
 export function newClientMsgId() {
   const c = globalThis.crypto;
   if (c && typeof c.randomUUID === "function") return "m-" + c.randomUUID();
@@ -66,12 +128,20 @@ export function newClientMsgId() {
   return "m-" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
-/** Exponential backoff with full jitter: uniform in [0, min(maxDelay, initialDelay * 2^attempt)). */
+/**
+ * Exponential backoff with full jitter: uniform in [0, min(maxDelay, initialDelay * 2^attempt)).
+ * @param {number} attempt
+ * @param {number} [initialDelay]
+ * @param {number} [maxDelay]
+ * @param {() => number} [random]
+ * @returns {number}
+ */
 export function backoffDelay(attempt, initialDelay = 500, maxDelay = 15000, random = Math.random) {
   const cap = Math.min(maxDelay, initialDelay * 2 ** Math.min(attempt, 30));
   return Math.floor(random() * cap);
 }
 
+/** @returns {string} */
 function defaultUrl() {
   const loc = globalThis.location;
   if (!loc || !loc.host) throw new Error("GatewayClient: pass `url` (no page location to derive it from)");
@@ -80,11 +150,13 @@ function defaultUrl() {
 
 export class GatewayClient {
   /**
-   * @param {object} [options] see gateway-client.d.ts (GatewayClientOptions)
+   * @param {GatewayClientOptions} [options] see gateway-client.d.ts
    */
   constructor(options = {}) {
     this.url = options.url ?? defaultUrl();
+    /** @type {TokenSource} */
     this._token = options.token ?? null;
+    /** @type {NonNullable<GatewayClientOptions["WebSocket"]>} */
     this._WebSocket = options.WebSocket ?? globalThis.WebSocket;
     if (typeof this._WebSocket !== "function") throw new Error("GatewayClient: no WebSocket implementation");
     this._initialDelay = options.initialDelay ?? 500;
@@ -97,24 +169,36 @@ export class GatewayClient {
     this._pongTimeout = options.pongTimeout ?? 5000;
     this._hiddenSince = 0;
 
+    /** @type {Map<keyof GatewayClientEvents, Set<(event: any) => void>>} */
     this._listeners = new Map();
+    /** @type {Map<string, ChatState>} */
     this._chats = new Map(); // chat_id -> ChatState (see _chat)
+    /** @type {OutboxEntry[]} */
     this._outbox = []; // queued messages and cancels, in order; removed when answered
+    /** @type {Map<RequestId, PendingRequest>} */
     this._pending = new Map(); // request id -> {kind, chatId?, entry?, resolve?, reject?}
     this._nextId = 1;
 
+    /** @type {WebSocket | null} */
     this._ws = null;
+    /** @type {HelloFrame | null} */
     this._hello = null;
+    /** @type {ConnectionState} */
     this._state = "idle";
     this._stopped = true;
     this._attempt = 0;
     this._generation = 0;
-    this._timer = null;
-    this._heartbeat = null;
-    this._retryTimer = null;
+    /** @type {ReturnType<typeof setTimeout> | undefined} */
+    this._timer = undefined;
+    /** @type {ReturnType<typeof setInterval> | undefined} */
+    this._heartbeat = undefined;
+    /** @type {ReturnType<typeof setTimeout> | undefined} */
+    this._retryTimer = undefined;
     this._lastRx = 0;
     this._pingSent = 0;
+    /** @type {TokenRequest["lastClose"]} */
     this._lastClose = null;
+    /** Durable events dropped because their seq was already delivered. */
     this.duplicatesDropped = 0;
 
     // The browser knows before any timer does: say so at once, and reconnect at once.
@@ -149,7 +233,13 @@ export class GatewayClient {
 
   // --- events ------------------------------------------------------------------------
 
-  /** Listen to an event; returns a function that removes the listener. */
+  /**
+   * Listen to an event; returns a function that removes the listener.
+   * @template {keyof GatewayClientEvents} K
+   * @param {K} type
+   * @param {(event: GatewayClientEvents[K]) => void} listener
+   * @returns {() => void}
+   */
   on(type, listener) {
     let set = this._listeners.get(type);
     if (!set) this._listeners.set(type, (set = new Set()));
@@ -157,10 +247,21 @@ export class GatewayClient {
     return () => this.off(type, listener);
   }
 
+  /**
+   * @template {keyof GatewayClientEvents} K
+   * @param {K} type
+   * @param {(event: GatewayClientEvents[K]) => void} listener
+   * @returns {void}
+   */
   off(type, listener) {
     this._listeners.get(type)?.delete(listener);
   }
 
+  /**
+   * @template {keyof GatewayClientEvents} K
+   * @param {K} type
+   * @param {GatewayClientEvents[K]} payload
+   */
   _emit(type, payload) {
     const set = this._listeners.get(type);
     if (!set) return;
@@ -176,16 +277,31 @@ export class GatewayClient {
 
   // --- connection --------------------------------------------------------------------
 
-  /** "idle" | "connecting" | "open" | "reconnecting" | "closed" */
+  /**
+   * "idle" | "connecting" | "open" | "reconnecting" | "closed"
+   * @returns {ConnectionState}
+   */
   get state() { return this._state; }
-  /** True once `hello` arrived on the current socket. */
+  /**
+   * True once `hello` arrived on the current socket.
+   * @returns {boolean}
+   */
   get connected() { return this._state === "open"; }
-  /** The `hello` frame of the current connection, or null. */
+  /**
+   * The `hello` frame of the current connection, or null.
+   * @returns {HelloFrame | null}
+   */
   get hello() { return this._hello; }
-  /** Messages and cancels not answered yet (queued or in flight). */
+  /**
+   * Messages and cancels not answered yet (queued or in flight).
+   * @returns {number}
+   */
   get outboxSize() { return this._outbox.length; }
 
-  /** Start connecting (again, after close() or a terminal close). */
+  /**
+   * Start connecting (again, after close() or a terminal close).
+   * @returns {void}
+   */
   connect() {
     if (!this._stopped) return;
     this._stopped = false;
@@ -193,23 +309,33 @@ export class GatewayClient {
     this._open("connect");
   }
 
-  /** Replace the token (a string or a callback) used by the next connection attempt. */
+  /**
+   * Replace the token (a string or a callback) used by the next connection attempt.
+   * @param {TokenSource} token
+   * @returns {void}
+   */
   setToken(token) {
     this._token = token;
   }
 
-  /** Skip the backoff wait and try now (also done on the browser's `online` event). */
+  /**
+   * Skip the backoff wait and try now (also done on the browser's `online` event).
+   * @returns {void}
+   */
   reconnectNow() {
     if (this._stopped || this._state !== "reconnecting") return;
     this._open("reconnect");
   }
 
-  /** Close for good (until connect()). Queued messages stay queued. */
+  /**
+   * Close for good (until connect()). Queued messages stay queued.
+   * @returns {void}
+   */
   close() {
     this._stopped = true;
     this._generation++;
     clearTimeout(this._timer);
-    this._timer = null;
+    this._timer = undefined;
     const ws = this._ws;
     if (ws) {
       this._detach(ws);
@@ -224,26 +350,35 @@ export class GatewayClient {
     }
   }
 
+  /**
+   * @param {ConnectionState} state
+   * @param {Omit<StateChange, "state" | "attempt">} [info]
+   */
   _setState(state, info = {}) {
     this._state = state;
     this._emit("state", { state, attempt: this._attempt, ...info });
   }
 
+  /**
+   * @param {TokenRequest["reason"]} reason
+   * @returns {Promise<string | null | undefined>}
+   */
   async _getToken(reason) {
     const token = this._token;
     if (typeof token === "function") return await token({ reason, lastClose: this._lastClose });
     return token;
   }
 
+  /** @param {"connect" | "reconnect"} reason */
   async _open(reason) {
     clearTimeout(this._timer);
-    this._timer = null;
+    this._timer = undefined;
     const generation = ++this._generation;
     this._setState("connecting", { reason });
     let token;
     try {
       token = await this._getToken(this._lastClose?.code === 4011 ? "expired" : reason);
-    } catch (err) {
+    } catch (/** @type {any} */ err) {
       if (generation !== this._generation || this._stopped) return;
       this._scheduleReconnect(0, "token callback failed: " + (err?.message ?? err));
       return;
@@ -254,7 +389,7 @@ export class GatewayClient {
     let ws;
     try {
       ws = new this._WebSocket(url, [JSON_SUBPROTOCOL]);
-    } catch (err) {
+    } catch (/** @type {any} */ err) {
       this._scheduleReconnect(0, "cannot open: " + (err?.message ?? err));
       return;
     }
@@ -267,7 +402,7 @@ export class GatewayClient {
       if (typeof ev.data !== "string") return; // JSON subprotocol: text frames only
       let frame;
       try { frame = JSON.parse(ev.data); } catch { return; }
-      if (frame && typeof frame === "object") this._onFrame(frame);
+      if (frame && typeof frame === "object") this._onFrame(/** @type {ServerFrame} */ (frame));
     };
     ws.onclose = (ev) => {
       if (this._ws !== ws) return;
@@ -280,23 +415,32 @@ export class GatewayClient {
     }, this._connectTimeout);
   }
 
+  /** @param {WebSocket} ws */
   _detach(ws) {
     ws.onmessage = ws.onclose = ws.onerror = null;
     if (this._ws === ws) this._ws = null;
   }
 
-  /** Abandon a socket that stopped answering and reconnect as after a network drop. */
+  /**
+   * Abandon a socket that stopped answering and reconnect as after a network drop.
+   * @param {WebSocket} ws
+   * @param {string} reason
+   */
   _drop(ws, reason) {
     this._detach(ws);
     try { ws.close(4000, reason); } catch { /* ignore */ }
     this._onSocketClosed(1006, reason);
   }
 
+  /**
+   * @param {number} code
+   * @param {string} reason
+   */
   _onSocketClosed(code, reason) {
     const ws = this._ws;
     if (ws) this._detach(ws);
     clearTimeout(this._timer);
-    this._timer = null;
+    this._timer = undefined;
     this._lastClose = { code, reason };
     this._connectionLost();
     if (this._stopped) return;
@@ -314,9 +458,9 @@ export class GatewayClient {
   _connectionLost() {
     this._hello = null;
     clearInterval(this._heartbeat);
-    this._heartbeat = null;
+    this._heartbeat = undefined;
     clearTimeout(this._retryTimer);
-    this._retryTimer = null;
+    this._retryTimer = undefined;
     for (const chat of this._chats.values()) {
       chat.server = "none"; // the gateway's subscription and buffer died with the socket
       chat.subReq = null;
@@ -332,6 +476,10 @@ export class GatewayClient {
     for (const entry of this._outbox) entry.reqId = null;
   }
 
+  /**
+   * @param {number} code
+   * @param {string} reason
+   */
   _scheduleReconnect(code, reason) {
     let attempt = this._attempt++;
     let floor = 0;
@@ -370,6 +518,10 @@ export class GatewayClient {
     this._send({ type: "ping", id: this._nextId++ });
   }
 
+  /**
+   * @param {object} frame
+   * @returns {boolean}
+   */
   _send(frame) {
     const ws = this._ws;
     if (!ws || ws.readyState !== 1) return false;
@@ -377,7 +529,10 @@ export class GatewayClient {
     return true;
   }
 
-  /** Round-trip time to the gateway in ms (rejects when not connected). */
+  /**
+   * Round-trip time to the gateway in ms (rejects when not connected).
+   * @returns {Promise<number>}
+   */
   ping() {
     if (!this.connected) return Promise.reject(new GatewayError("not_connected", "not connected"));
     return new Promise((resolve, reject) => {
@@ -394,9 +549,13 @@ export class GatewayClient {
 
   // --- chats -------------------------------------------------------------------------
 
-  _chat(chatId, create = true) {
+  /**
+   * @param {string} chatId
+   * @returns {ChatState}
+   */
+  _chat(chatId) {
     let chat = this._chats.get(chatId);
-    if (!chat && create) {
+    if (!chat) {
       chat = {
         id: chatId,
         want: "off", // what the app asked for: "live" or "off"
@@ -415,19 +574,30 @@ export class GatewayClient {
     return chat;
   }
 
-  /** The chat's open streams (answers being written): [{id, type, turnId, text, pos}]. */
+  /**
+   * The chat's open streams (answers being written): [{id, type, turnId, text, pos}].
+   * @param {string} chatId
+   * @returns {StreamState[]}
+   */
   streams(chatId) {
     const chat = this._chats.get(chatId);
     return chat ? [...chat.streams.values()].map((s) => ({ ...s })) : [];
   }
 
-  /** The resume point of a chat: {seq, epoch}, or null when unknown. */
+  /**
+   * The resume point of a chat: {seq, epoch}, or null when unknown.
+   * @param {string} chatId
+   * @returns {Since | null}
+   */
   position(chatId) {
     const chat = this._chats.get(chatId);
     return chat && chat.epoch != null && chat.seq != null ? { seq: chat.seq, epoch: chat.epoch } : null;
   }
 
-  /** Chats the app wants live. */
+  /**
+   * Chats the app wants live.
+   * @returns {string[]}
+   */
   get subscriptions() {
     return [...this._chats.values()].filter((c) => c.want === "live").map((c) => c.id);
   }
@@ -437,6 +607,9 @@ export class GatewayClient {
    * first). `since` (say, after loading history over HTTP) sets the resume point; without it
    * the client picks: drain this connection's buffer, resume from the remembered position,
    * or start live.
+   * @param {string} chatId
+   * @param {SubscribeOptions} [options]
+   * @returns {Promise<SubscribedFrame | null>}
    */
   subscribe(chatId, options = {}) {
     const chat = this._chat(chatId);
@@ -447,12 +620,18 @@ export class GatewayClient {
     }
     const already = chat.want === "live";
     chat.want = "live";
+    /** @type {Promise<SubscribedFrame | null>} */
     const promise = new Promise((resolve, reject) => chat.waiters.push({ resolve, reject }));
     if (this.connected && (!already || since || !chat.subReq)) this._sendSubscribe(chat, since);
     return promise;
   }
 
+  /**
+   * @param {ChatState} chat
+   * @param {Since | null} since
+   */
   _sendSubscribe(chat, since) {
+    /** @type {SubscribedEvent["mode"]} */
     let mode;
     if (since) mode = "since";
     else if (chat.server === "buffering") mode = "buffer";
@@ -465,18 +644,29 @@ export class GatewayClient {
     chat.subReq = id;
     chat.subMode = mode;
     chat.server = "live";
+    /** @type {{type: "subscribe", chat_id: string, id: number, since?: Since}} */
     const frame = { type: "subscribe", chat_id: chat.id, id };
     if (since) frame.since = { seq: since.seq, epoch: since.epoch };
     this._pending.set(id, { kind: "subscribe", chatId: chat.id, frame });
     this._send(frame);
   }
 
+  /** @param {SubscribedFrame} frame */
   _onSubscribed(frame) {
     const req = frame.id != null ? this._pending.get(frame.id) : null;
-    if (req) this._pending.delete(frame.id);
+    if (req) this._pending.delete(/** @type {RequestId} */ (frame.id));
     const chat = this._chats.get(frame.chat_id);
     if (!chat) return; // left meanwhile
-    if (frame.id != null && chat.subReq != null && frame.id !== chat.subReq) return; // superseded
+    if (frame.id != null && chat.subReq != null && frame.id !== chat.subReq) {
+      // Superseded: the later subscribe's reply is the one that counts. When that one drains
+      // this connection's buffer, though, the buffered frames continue from this reply's
+      // position: keep it if the client has none, or it would take them for duplicates.
+      if (chat.subMode === "buffer" && chat.epoch == null) {
+        chat.epoch = frame.epoch;
+        chat.seq = frame.seq;
+      }
+      return;
+    }
     const mode = chat.subMode ?? "again";
     chat.subReq = null;
     chat.subMode = null;
@@ -523,6 +713,8 @@ export class GatewayClient {
    * Stop receiving a chat's frames; the gateway buffers them for this connection, and the
    * next subscribe() drains that buffer. Resolves when the gateway confirmed (or at once
    * when not connected).
+   * @param {string} chatId
+   * @returns {Promise<UnsubscribedFrame | null>}
    */
   unsubscribe(chatId) {
     const chat = this._chats.get(chatId);
@@ -535,19 +727,30 @@ export class GatewayClient {
     chat.server = "buffering";
     chat.subReq = null;
     chat.subMode = null;
-    return this._request({ type: "unsubscribe", chat_id: chatId }, "unsubscribe");
+    return /** @type {Promise<UnsubscribedFrame | null>} */ (
+      this._request({ type: "unsubscribe", chat_id: chatId }, "unsubscribe"));
   }
 
-  /** Stop receiving a chat and forget it (its buffer and resume point too). */
+  /**
+   * Stop receiving a chat and forget it (its buffer and resume point too).
+   * @param {string} chatId
+   * @returns {Promise<LeftFrame | null>}
+   */
   leave(chatId) {
     const chat = this._chats.get(chatId);
     if (!chat) return Promise.resolve(null);
     this._chats.delete(chatId);
     for (const w of chat.waiters) w.resolve(null);
     if (!this.connected || chat.server === "none") return Promise.resolve(null);
-    return this._request({ type: "leave", chat_id: chatId }, "leave");
+    return /** @type {Promise<LeftFrame | null>} */ (
+      this._request({ type: "leave", chat_id: chatId }, "leave"));
   }
 
+  /**
+   * @param {{type: "unsubscribe" | "leave", chat_id: string}} frame
+   * @param {"unsubscribe" | "leave"} kind
+   * @returns {Promise<ServerFrame | null>}
+   */
   _request(frame, kind) {
     return new Promise((resolve, reject) => {
       const id = this._nextId++;
@@ -561,31 +764,50 @@ export class GatewayClient {
   /**
    * Post a user message; resolves with the `ack` (`duplicate: true` when a retry found the
    * first attempt stored). Queued while disconnected; retried with the same client_msg_id.
+   * @param {string} chatId
+   * @param {string} text
+   * @param {SendMessageOptions} [options]
+   * @returns {Promise<AckFrame>}
    */
   sendMessage(chatId, text, options = {}) {
+    /** @type {OutboxEntry["frame"]} */
     const frame = {
       type: "message", chat_id: chatId, text,
       client_msg_id: options.clientMsgId ?? newClientMsgId(),
     };
     if (options.data != null) frame.data = options.data;
-    return this._enqueue("message", frame);
+    // Only a cancel resolves with null (see _onError).
+    return /** @type {Promise<AckFrame>} */ (this._enqueue("message", frame));
   }
 
-  /** Ask the agent to stop the running turn (of `turnId`, if given); resolves with the ack. */
+  /**
+   * Ask the agent to stop the running turn (of `turnId`, if given); resolves with the ack.
+   * @param {string} chatId
+   * @param {string} [turnId]
+   * @returns {Promise<AckFrame | null>}
+   */
   cancel(chatId, turnId) {
+    /** @type {OutboxEntry["frame"]} */
     const frame = { type: "cancel", chat_id: chatId };
     if (turnId) frame.turn_id = turnId;
     return this._enqueue("cancel", frame);
   }
 
+  /**
+   * @param {OutboxEntry["kind"]} kind
+   * @param {OutboxEntry["frame"]} frame
+   * @returns {Promise<AckFrame | null>}
+   */
   _enqueue(kind, frame) {
     return new Promise((resolve, reject) => {
+      /** @type {OutboxEntry} */
       const entry = { kind, frame, resolve, reject, reqId: null, attempts: 0 };
       this._outbox.push(entry);
       if (this.connected) this._sendEntry(entry);
     });
   }
 
+  /** @param {OutboxEntry} entry */
   _sendEntry(entry) {
     if (entry.reqId != null) this._pending.delete(entry.reqId);
     const id = this._nextId++;
@@ -595,6 +817,7 @@ export class GatewayClient {
     this._send({ ...entry.frame, id });
   }
 
+  /** @param {OutboxEntry} entry */
   _settle(entry) {
     const i = this._outbox.indexOf(entry);
     if (i >= 0) this._outbox.splice(i, 1);
@@ -603,41 +826,47 @@ export class GatewayClient {
 
   // --- inbound -----------------------------------------------------------------------
 
+  /** @param {ServerFrame} frame */
   _onFrame(frame) {
+    // (Event frames have any `type`: a cast names the frame each case handles.)
     switch (frame.type) {
       case "hello":
-        this._onHello(frame);
+        this._onHello(/** @type {HelloFrame} */ (frame));
         return;
       case "subscribed":
-        this._onSubscribed(frame);
+        this._onSubscribed(/** @type {SubscribedFrame} */ (frame));
         return;
       case "unsubscribed":
       case "left":
       case "pong": {
-        const req = frame.id != null ? this._pending.get(frame.id) : null;
+        const reply = /** @type {UnsubscribedFrame | LeftFrame | PongFrame} */ (frame);
+        const req = reply.id != null ? this._pending.get(reply.id) : null;
         if (req) {
-          this._pending.delete(frame.id);
-          req.resolve?.(frame);
+          this._pending.delete(/** @type {RequestId} */ (reply.id));
+          req.resolve?.(reply);
         }
         return;
       }
       case "ack":
-        this._onAck(frame);
+        this._onAck(/** @type {AckFrame} */ (frame));
         return;
       case "error":
-        this._onError(frame);
+        this._onError(/** @type {ErrorFrame} */ (frame));
         return;
       case "conversation":
-        this._emit("conversation", frame);
+        this._emit("conversation", /** @type {ConversationFrame} */ (frame));
         return;
-      default:
-        if (!REPLY_TYPES.has(frame.type) && typeof frame.chat_id === "string") this._onEvent(frame);
+      default: {
+        const event = /** @type {EventFrame} */ (frame);
+        if (!REPLY_TYPES.has(event.type) && typeof event.chat_id === "string") this._onEvent(event);
+      }
     }
   }
 
+  /** @param {HelloFrame} frame */
   _onHello(frame) {
     clearTimeout(this._timer);
-    this._timer = null;
+    this._timer = undefined;
     this._hello = frame;
     this._attempt = 0;
     this._lastClose = null;
@@ -652,11 +881,12 @@ export class GatewayClient {
     for (const entry of [...this._outbox]) this._sendEntry(entry);
   }
 
+  /** @param {AckFrame} frame */
   _onAck(frame) {
     const req = frame.id != null ? this._pending.get(frame.id) : null;
     this._emit("ack", frame);
     if (!req) return;
-    this._pending.delete(frame.id);
+    this._pending.delete(/** @type {RequestId} */ (frame.id));
     if (req.entry) {
       this._settle(req.entry);
       req.entry.resolve(frame);
@@ -665,6 +895,7 @@ export class GatewayClient {
     }
   }
 
+  /** @param {ErrorFrame} frame */
   _onError(frame) {
     this._emit("error", frame);
     if (frame.code === "rate_limited" && frame.id == null) {
@@ -672,7 +903,7 @@ export class GatewayClient {
       // answer (messages are idempotent by client_msg_id; subscribes are safe to repeat).
       if (!this._retryTimer) {
         this._retryTimer = setTimeout(() => {
-          this._retryTimer = null;
+          this._retryTimer = undefined;
           this._resendUnanswered();
         }, this._rateLimitRetry);
       }
@@ -680,7 +911,7 @@ export class GatewayClient {
     }
     const req = frame.id != null ? this._pending.get(frame.id) : null;
     if (!req) return;
-    this._pending.delete(frame.id);
+    this._pending.delete(/** @type {RequestId} */ (frame.id));
     const error = new GatewayError(frame.code, frame.message, frame);
     if (req.entry) {
       const entry = req.entry;
@@ -694,10 +925,10 @@ export class GatewayClient {
       return;
     }
     if (req.kind === "subscribe") {
-      const chat = this._chats.get(req.chatId);
+      const chat = this._chats.get(/** @type {string} */ (req.chatId));
       if (chat && chat.subReq === frame.id) {
         // forbidden, not_found, too_many_subscriptions: the gateway holds no subscription.
-        this._chats.delete(req.chatId);
+        this._chats.delete(chat.id);
         for (const w of chat.waiters) w.reject(error);
       }
       return;
@@ -711,7 +942,7 @@ export class GatewayClient {
       if (chat.subReq != null && chat.want === "live") {
         this._pending.delete(chat.subReq);
         const mode = chat.subMode;
-        const since = mode === "since" ? { seq: chat.seq, epoch: chat.epoch } : null;
+        const since = mode === "since" ? /** @type {Since} */ ({ seq: chat.seq, epoch: chat.epoch }) : null;
         if (mode === "buffer") chat.server = "buffering";
         else if (mode === "fresh") chat.server = "none";
         this._sendSubscribe(chat, since);
@@ -720,6 +951,7 @@ export class GatewayClient {
     for (const entry of [...this._outbox]) this._sendEntry(entry);
   }
 
+  /** @param {EventFrame} frame */
   _onEvent(frame) {
     const chat = this._chats.get(frame.chat_id);
     if (!chat) return; // left, or never subscribed
@@ -735,7 +967,7 @@ export class GatewayClient {
       return;
     }
     if (frame.type === "stream_discarded") {
-      const id = frame.data?.stream_id;
+      const id = /** @type {string} */ (frame.data?.stream_id);
       if (chat.streams.delete(id)) this._emit("stream", { chatId: chat.id, stream: null, id, ended: "discarded" });
       this._emit("event", frame);
       return;
@@ -754,7 +986,7 @@ export class GatewayClient {
         if (chat.want === "live" && this.connected) {
           // A hole: ask for it (and everything after it) again rather than skip it.
           this._emit("gap", { chatId: chat.id, expected: chat.seq + 1, got: frame.seq });
-          this._sendSubscribe(chat, { seq: chat.seq, epoch: chat.epoch });
+          this._sendSubscribe(chat, { seq: chat.seq, epoch: /** @type {string} */ (chat.epoch) });
           return;
         }
       }
@@ -767,10 +999,14 @@ export class GatewayClient {
     this._emit("event", frame);
   }
 
-  /** A streamed delta: continue its stream at exactly its position, or resync. */
+  /**
+   * A streamed delta: continue its stream at exactly its position, or resync.
+   * @param {ChatState} chat
+   * @param {EventFrame} frame a frame with `stream`
+   */
   _onStreamed(chat, frame) {
     if (chat.resyncing) return; // the snapshot on its way holds it
-    const { id, pos } = frame.stream;
+    const { id, pos } = /** @type {NonNullable<EventFrame["stream"]>} */ (frame.stream);
     let stream = chat.streams.get(id);
     if (!stream && pos === 0) {
       stream = { id, type: frame.type, turnId: null, text: "", pos: 0 };

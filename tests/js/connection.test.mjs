@@ -1,0 +1,266 @@
+// The connection: close codes, tokens, backoff, the silent-socket watchdog, online/offline.
+
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import {
+  backoffDelay, GatewayError, TERMINAL_CLOSE_CODES,
+} from "../../gateway/static/gateway-client.js";
+import { FakeGateway, makeClient, setup, sleep, until } from "./fake-server.mjs";
+
+/** Record the client's "closed" events; resolve `next()` with the next one. */
+function closes(client) {
+  const seen = [];
+  client.on("closed", (c) => seen.push(c));
+  return {
+    seen,
+    async next(what = "a close") {
+      const n = seen.length + 1;
+      await until(() => seen.length >= n, what);
+      return seen[n - 1];
+    },
+  };
+}
+
+test("terminal close codes stop the client; 4011 gets a fresh token", async (t) => {
+  let n = 0;
+  const asked = [];
+  const { server, client } = await setup(t, {
+    token: async (req) => { asked.push(req.reason); return "t" + ++n; },
+  });
+  const states = [];
+  client.on("state", (s) => states.push(s));
+  const closed = closes(client);
+  client.connect();
+  let conn = await server.accept(client, 1);
+  assert.equal(conn.token, "t1");
+  conn.drop(4011, "token expired");
+  conn = await server.accept(client, 2);
+  assert.equal(conn.token, "t2", "fresh token");
+  assert.equal(conn.path, "/v1/ws?token=t2");
+  assert.deepEqual(asked, ["connect", "expired"]);
+  assert.deepEqual(closed.seen, [{ code: 4011, reason: "token expired", terminal: false }]);
+
+  conn.drop(4029, "too many");
+  await server.accept(client, 3);
+  const waited = states.filter((s) => s.state === "reconnecting" && s.code === 4029);
+  assert.equal(waited.length, 1, "backs off after 4029");
+  assert.ok(waited[0].delay >= 4, "never an instant retry after 4029: " + waited[0].delay);
+  assert.equal(waited[0].reason, "too many");
+
+  for (const code of [4001, 4003, 4004]) {
+    assert.ok(TERMINAL_CLOSE_CODES.has(code), "terminal " + code);
+    const before = server.connections.length;
+    server.latest.drop(code, "no");
+    assert.deepEqual(await closed.next(), { code, reason: "no", terminal: true });
+    assert.equal(client.state, "closed", "closed after " + code);
+    assert.deepEqual(states.at(-1), { state: "closed", attempt: 0, code, reason: "no", terminal: true });
+    await sleep(60);
+    assert.equal(server.connections.length, before, "no reconnect after " + code);
+    client.connect();
+    await server.accept(client, before + 1);
+  }
+  assert.deepEqual(asked.slice(2), ["reconnect", "connect", "connect", "connect"]);
+});
+
+test("backoff is exponential with full jitter, reset by a hello", async (t) => {
+  const caps = [0, 1, 2, 3, 4, 10].map((n) => backoffDelay(n, 500, 15000, () => 0.999999));
+  assert.deepEqual(caps, [499, 999, 1999, 3999, 7999, 14999]);
+  assert.equal(backoffDelay(3, 500, 15000, () => 0), 0, "full jitter reaches 0");
+  assert.equal(backoffDelay(1000, 500, 15000, () => 0.5), 7500, "capped at maxDelay");
+  for (let i = 0; i < 100; i++) {
+    const d = backoffDelay(2);
+    assert.ok(d >= 0 && d < 2000 && Number.isInteger(d), "defaults: 500 ms doubled: " + d);
+  }
+
+  const { server, client } = await setup(t, { initialDelay: 100, maxDelay: 1000, random: () => 0.5 });
+  const delays = [];
+  client.on("state", (s) => { if (s.state === "reconnecting") delays.push(s.delay); });
+  client.connect();
+  for (let i = 1; i <= 4; i++) {
+    const conn = await server.connection(i);
+    conn.drop(1006); // before any hello
+  }
+  await until(() => delays.length === 4, "four waits");
+  assert.deepEqual(delays, [50, 100, 200, 400], "grows");
+  const conn = await server.accept(client, 5);
+  conn.drop(1006);
+  await until(() => delays.length === 5, "a fifth wait");
+  assert.equal(delays[4], 50, "reset after a successful hello");
+});
+
+test("busy close codes (4029, 1013) wait at least initialDelay", async (t) => {
+  const { server, client } = await setup(t, { initialDelay: 40, maxDelay: 1000, random: () => 0 });
+  const waits = [];
+  client.on("state", (s) => { if (s.state === "reconnecting") waits.push([s.code, s.delay]); });
+  client.connect();
+  (await server.accept(client, 1)).drop(1013, "backend unavailable");
+  (await server.accept(client, 2)).drop(1012, "restart");
+  await server.connection(3);
+  assert.deepEqual(waits, [[1013, 40], [1012, 0]]);
+});
+
+test("a silent socket is dropped after idlePing + pongTimeout and replaced", async (t) => {
+  const { server, client } = await setup(t, {
+    server: { answerPings: false }, idlePing: 150, pongTimeout: 150,
+  });
+  const closed = closes(client);
+  client.connect();
+  const conn = await server.accept(client, 1);
+  const opened = Date.now();
+  const ping = await conn.next("ping", 2000);
+  assert.equal(typeof ping.id, "number");
+  assert.deepEqual(await closed.next("the watchdog"), { code: 1006, reason: "no answer to ping", terminal: false });
+  const took = Date.now() - opened;
+  assert.ok(took >= 300 && took < 1500, "noticed after idlePing + pongTimeout: " + took + " ms");
+  await until(() => conn.closed, "the socket closed");
+  await server.accept(client, 2);
+});
+
+test("a socket that answers pings is kept, and anything received counts as an answer", async (t) => {
+  // (A pongTimeout well above the heartbeat's 100 ms tick: a loaded machine must not fail it.)
+  const { server, client } = await setup(t, { idlePing: 100, pongTimeout: 300 });
+  const closed = closes(client);
+  client.connect();
+  const conn = await server.accept(client, 1);
+  await sleep(700);
+  assert.ok(conn.of("ping").length >= 2, "pinged when idle: " + conn.of("ping").length);
+  assert.equal(closed.seen.length, 0, "kept");
+  assert.equal(client.connected, true);
+
+  conn.answerPings = false;
+  // Other frames keep it alive too: a feed frame every 50 ms.
+  const feed = setInterval(() => conn.push({
+    type: "conversation", chat_id: "c1", title: null, status: "idle", updated_at: 1, last_seq: 0,
+    goal_state: null, preview: null, created: false, deleted: false,
+  }), 50);
+  await sleep(600);
+  clearInterval(feed);
+  assert.equal(closed.seen.length, 0, "kept while frames arrive");
+  assert.deepEqual(await closed.next("the watchdog"), { code: 1006, reason: "no answer to ping", terminal: false });
+});
+
+test("no hello within connectTimeout: the attempt fails and the client retries", async (t) => {
+  const { server, client } = await setup(t, { connectTimeout: 100 });
+  const closed = closes(client);
+  client.connect();
+  const conn = await server.connection(1);
+  assert.deepEqual(await closed.next("connect timeout"), { code: 1006, reason: "connect timeout", terminal: false });
+  await until(() => conn.closed, "the abandoned socket closed");
+  await server.accept(client, 2);
+});
+
+test("nothing listening: the client keeps retrying with backoff until a gateway is there", async (t) => {
+  const server = await FakeGateway.start();
+  const url = server.url;
+  await server.close();
+  const client = makeClient({ url }, { initialDelay: 4, maxDelay: 20 });
+  t.after(() => client.close());
+  const closed = closes(client);
+  client.connect();
+  await until(() => closed.seen.length >= 3, "three failed attempts");
+  assert.ok(closed.seen.every((c) => c.code === 1006 && !c.terminal), JSON.stringify(closed.seen));
+  assert.notEqual(client.state, "closed");
+});
+
+test("the token callback failing counts as a failed attempt", async (t) => {
+  let calls = 0;
+  const { server, client } = await setup(t, {
+    token: () => { if (++calls === 1) throw new Error("auth server down"); return "ok"; },
+  });
+  const states = [];
+  client.on("state", (s) => states.push(s));
+  client.connect();
+  const conn = await server.accept(client, 1);
+  assert.equal(conn.token, "ok");
+  assert.equal(states[1].state, "reconnecting");
+  assert.equal(states[1].reason, "token callback failed: auth server down");
+});
+
+test("setToken replaces the token for the next attempt; no token, no query", async (t) => {
+  const { server, client } = await setup(t, { token: null });
+  client.connect();
+  let conn = await server.accept(client, 1);
+  assert.equal(conn.path, "/v1/ws");
+  client.setToken("new token");
+  conn.drop(1012);
+  conn = await server.accept(client, 2);
+  assert.equal(conn.path, "/v1/ws?token=new%20token");
+});
+
+test("ping() measures the round trip and fails without a connection", async (t) => {
+  const { server, client } = await setup(t);
+  await assert.rejects(client.ping(), (e) => e instanceof GatewayError && e.code === "not_connected");
+  client.connect();
+  const conn = await server.accept(client, 1);
+  const rtt = await client.ping();
+  assert.ok(typeof rtt === "number" && rtt >= 0 && rtt < 1000, "rtt " + rtt);
+  conn.answerPings = false;
+  const lost = client.ping();
+  await conn.next("ping");
+  await conn.next("ping");
+  conn.drop(1006);
+  await assert.rejects(lost, (e) => e instanceof GatewayError && e.code === "disconnected");
+});
+
+test("close() stops for good (queued messages stay queued) until connect()", async (t) => {
+  const { server, client } = await setup(t);
+  const states = [];
+  client.on("state", (s) => states.push(s.state));
+  client.connect();
+  const conn = await server.accept(client, 1);
+  client.close();
+  assert.equal(client.state, "closed");
+  assert.equal(states.at(-1), "closed");
+  await until(() => conn.closed, "the socket closed");
+  client.sendMessage("c1", "later");
+  assert.equal(client.outboxSize, 1);
+  await sleep(50);
+  assert.equal(server.connections.length, 1, "no reconnect after close()");
+  client.connect();
+  const conn2 = await server.accept(client, 2);
+  assert.equal((await conn2.next("message")).text, "later");
+});
+
+test("offline drops the socket at once; online reconnects at once", async (t) => {
+  // Node has no window: give globalThis the browser's addEventListener for this test.
+  const target = new EventTarget();
+  const saved = {};
+  for (const name of ["addEventListener", "removeEventListener", "dispatchEvent"]) {
+    saved[name] = Object.getOwnPropertyDescriptor(globalThis, name);
+    globalThis[name] = target[name].bind(target);
+  }
+  t.after(() => {
+    for (const [name, desc] of Object.entries(saved)) {
+      if (desc) Object.defineProperty(globalThis, name, desc);
+      else delete globalThis[name];
+    }
+  });
+  // A backoff far longer than the test: only the online event can bring it back in time.
+  const { server, client } = await setup(t, { initialDelay: 60_000, maxDelay: 60_000 });
+  const events = [];
+  client.on("offline", () => events.push("offline"));
+  client.on("online", () => events.push("online"));
+  client.on("state", (s) => events.push(s.state));
+  client.connect();
+  let conn = await server.accept(client, 1);
+
+  // Online while connected: a ping checks the socket (the network may have changed).
+  globalThis.dispatchEvent(new Event("online"));
+  await conn.next("ping");
+
+  events.length = 0;
+  globalThis.dispatchEvent(new Event("offline"));
+  assert.deepEqual(events, ["offline", "reconnecting"], "dropped at once");
+  await until(() => conn.closed, "the socket closed");
+  await sleep(50);
+  assert.equal(server.connections.length, 1, "waiting for the network");
+  globalThis.dispatchEvent(new Event("online"));
+  conn = await server.accept(client, 2);
+  assert.deepEqual(events, ["offline", "reconnecting", "online", "connecting", "open"]);
+
+  client.close();
+  events.length = 0;
+  globalThis.dispatchEvent(new Event("offline"));
+  assert.deepEqual(events, [], "close() removed the listeners");
+});
