@@ -286,7 +286,7 @@ class Session:
             try:
                 await self._handle(frame)
             except Rejected as exc:
-                self._error(exc.code, exc.message, frame)
+                self._error(exc.code, exc.message, frame, exc.head)
 
     def _admit(self) -> bool:
         """Token-bucket rate limit on inbound frames."""
@@ -313,8 +313,10 @@ class Session:
             return
         self._send(p.Error(code, message, _echo(req_id), _echo(chat_id)))
 
-    def _error(self, code: str, message: str, frame: p.ClientFrame) -> None:
-        self._send(p.Error(code, message, frame.id, getattr(frame, "chat_id", None)))
+    def _error(self, code: str, message: str, frame: p.ClientFrame,
+               head: str | None = None) -> None:
+        self._send(p.Error(code, message, frame.id, getattr(frame, "chat_id", None),
+                           msgspec.UNSET if head is None else head or None))
 
     async def _handle(self, frame: p.ClientFrame) -> None:
         match frame:
@@ -330,6 +332,14 @@ class Session:
                 self._send(p.Left(frame.chat_id, frame.id))
             case p.Cancel():
                 await self._cancel(frame)
+            case p.Retry():
+                self._send(await self.gateway.conversations.retry(self.principal, frame))
+            case p.Edit():
+                self._send(await self.gateway.conversations.edit(self.principal, frame))
+            case p.Undo():
+                self._send(await self.gateway.conversations.undo(self.principal, frame))
+            case p.Switch():
+                self._send(await self.gateway.conversations.switch(self.principal, frame))
             case p.Ping():
                 self._send(p.Pong(now_ms(), frame.id))
         self._bad_frames = 0
@@ -515,6 +525,7 @@ def _snapshot(meta: Meta, binary: bool,
         turn_id=meta.turn_id,
         started_at=meta.started_at,
         goal_state=goal,
+        head=meta.head,
         streams=streams,
     )
 

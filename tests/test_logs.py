@@ -68,7 +68,8 @@ async def exercise(gw: GatewayProcess, user: str, chat_id: str) -> list[str]:
         await third.subscribe(chat_id)
         await send_message(ws, chat_id, "hello", "m1", id="m1")
         for client in (ws, mp, third):
-            expected = {"user_message", "turn_start"} | ({"ack"} if client is ws else set())
+            expected = {"user_message", "turn_start", "head"} | (
+                {"ack"} if client is ws else set())
             frames = [await client.recv() for _ in expected]
             assert {f["type"] for f in frames} == expected, frames
             await assert_usable(client, "log")
@@ -84,7 +85,7 @@ async def exercise(gw: GatewayProcess, user: str, chat_id: str) -> list[str]:
     async with httpx.AsyncClient(base_url=gw.http) as http:
         assert (await http.get(f"/v1/conversations?token={token}")).status_code == 200
         page = await http.get(f"/v1/conversations/{chat_id}/events?after=0&token={token}")
-        assert page.status_code == 200 and page.json()["last_seq"] == 2
+        assert page.status_code == 200 and page.json()["last_seq"] == 3
         resp = await http.post(f"/v1/conversations/{chat_id}/events?token={service}",
                                json={"type": "turn_end", "data": {"reason": "complete"}})
         assert resp.status_code == 200, resp.text
@@ -223,26 +224,27 @@ async def test_the_asgi_fallback_serves_a_whole_session(
         assert got[0] == got[1]
         # Replies, a user message and its turn, a buffered unsubscribe and a replay.
         await send_message(js, chat_id, "hi", "m1", id="m1")
-        frames = [await js.recv() for _ in range(3)]  # the ack and the two events
+        frames = [await js.recv() for _ in range(4)]  # the ack and the three events
         ack = next(f for f in frames if f["type"] == "ack")
         assert ack["id"] == "m1" and ack["seq"] == count + 1, ack
         events = [f for f in frames if f is not ack]
         assert [(f["type"], f["seq"]) for f in events] == [("user_message", count + 1),
-                                                           ("turn_start", count + 2)]
-        assert events[1]["data"]["turn_id"] == ack["turn_id"]
-        assert await mp.events(chat_id, 2) == events
+                                                           ("turn_start", count + 2),
+                                                           ("head", count + 3)]
+        assert events[1]["data"]["turn_id"] == ack["turn_id"] == ack["head"]
+        assert await mp.events(chat_id, 3) == events
         await mp.send({"type": "unsubscribe", "chat_id": chat_id, "id": "u"})
         await mp.expect("unsubscribed", id="u")
         result = await post_all(fallback, [(chat_id, {"type": "turn_end", "data": {}})])
-        assert result[0].json()["seqs"] == [count + 3]
+        assert result[0].json()["seqs"] == [count + 4]
         assert (await js.events(chat_id, 1))[0]["type"] == "turn_end"
         again = await mp.subscribe(chat_id)
         assert again["buffered"] == 1 and again["overflowed"] is False
-        assert [f["seq"] for f in await mp.events(chat_id, 1)] == [count + 3]
+        assert [f["seq"] for f in await mp.events(chat_id, 1)] == [count + 4]
         replay = await js.subscribe(chat_id, since={"seq": count - 5, "epoch": again["epoch"]})
-        assert replay["recovered"] is True and replay["replayed"] == 8
-        assert [f["seq"] for f in await js.events(chat_id, 8)] == list(
-            range(count - 4, count + 4))
+        assert replay["recovered"] is True and replay["replayed"] == 9
+        assert [f["seq"] for f in await js.events(chat_id, 9)] == list(
+            range(count - 4, count + 5))
         for ws in (js, mp):
             await assert_usable(ws, "fallback")
     # Closed by us, normally: the server answered with 1000 (no 4008 or anything else).

@@ -17,8 +17,15 @@ from ..errors import Rejected
 from .backend import Backend
 from .keys import feed_channel, index_key, meta_key
 from .pipeline import AutoPipeline
-from .records import History, Meta, OutEvent, Published
-from .scripts import DeleteScript, PublishScript, ReadScript, RotateScript
+from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
+from .scripts import (
+    DeleteScript,
+    HistoryScript,
+    PublishScript,
+    ReadScript,
+    RotateScript,
+    TreeScript,
+)
 
 
 class NotReplicated(Rejected):
@@ -68,6 +75,8 @@ class Store:
         self._read = ReadScript(settings)
         self._delete = DeleteScript(settings)
         self._rotate = RotateScript()
+        self._path = HistoryScript()
+        self._tree = TreeScript()
 
     async def publish(
         self,
@@ -77,11 +86,13 @@ class Store:
         create_owner: str = "",
         idempotency_key: str | None = None,
         writer: str = "",
+        op: TreeOp | None = None,
     ) -> Published:
-        """Append ``events`` in order; raise :class:`Rejected` if the state refuses them."""
+        """Append ``events`` in order, as the tree operation ``op`` if given; raise
+        :class:`Rejected` if the state refuses them."""
         reply, replicas = await self.pipeline.evalsha_durable(*self._publish.call(
             chat_id, events, fresh=self._new_epoch(), create_owner=create_owner,
-            writer=writer, idempotency_key=idempotency_key))
+            writer=writer, idempotency_key=idempotency_key, op=op))
         result = self._publish.decode(reply)
         if result.listed and result.feed is not None:
             await self._tell_owner(result.owner, result.feed, "ZADD", result.ts, chat_id)
@@ -115,6 +126,17 @@ class Store:
         if history.created and meta is not None and history.feed is not None:
             await self._tell_owner(meta.owner, history.feed, "ZADD", meta.created_at, chat_id)
         return history
+
+    async def active_path(self, chat_id: str, after: int, limit: int,
+                          tip: str = "") -> PathPage | None:
+        """A page of the active path, or of the path to ``tip`` (None if the conversation
+        does not exist)."""
+        return self._path.decode(await self.pipeline.evalsha(
+            *self._path.call(chat_id, after, limit, tip)))
+
+    async def tree(self, chat_id: str) -> Tree | None:
+        """The whole tree and the head (None if the conversation does not exist)."""
+        return self._tree.decode(await self.pipeline.evalsha(*self._tree.call(chat_id)))
 
     async def rotate_epoch(self, chat_id: str, epoch: str) -> None:
         """Give the conversation a new epoch if it still has ``epoch``: its history went
