@@ -8,6 +8,12 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
+
+from gateway.config import Settings
+from gateway.redis.backend import Backend
+from gateway.redis.store import Store
+from gateway.sdk.agent import Turn
 
 from .steps import create, history, message_and_reply, post_events, reply
 from .wsclient import Client, Frame, connect
@@ -353,3 +359,47 @@ async def test_history_of_an_old_conversation_without_a_tree_is_all_of_it(
         assert (await post_events(gateway, chat_id, {"type": "note", "data": {"i": i}})
                 ).status_code == 200
     assert [e["data"]["i"] for e in await history(gateway, user, chat_id)] == [0, 1, 2]
+
+
+async def test_an_agent_turn_sees_its_path_retry_and_edit_included(
+        gateway: Any, redis_url: str, user: str, chat_id: str) -> None:
+    settings = Settings(redis_url=redis_url)
+    client = aioredis.from_url(redis_url)
+    store = Store(Backend.of(client, settings), settings)
+
+    async def context(turn_id: str, **budget: int) -> list[dict[str, Any]]:
+        return await Turn(store, {"chat_id": chat_id, "turn_id": turn_id}).history(**budget)
+
+    try:
+        await create(gateway, user, chat_id)
+        async with connect(gateway.url(user)) as ws:
+            await ws.subscribe(chat_id)
+            m1, t1 = await exchange(ws, gateway, chat_id, "first")
+            ack, _ = await message_and_reply(ws, chat_id, "second")
+            m2, t2 = ack["msg_id"], ack["turn_id"]
+            await post_events(gateway, chat_id, {"type": "message", "data": {"text": "half"}})
+            await end_turn(gateway, chat_id, reason="cancelled")
+            ack, _ = await op(ws, chat_id, "retry")
+            t3 = ack["turn_id"]
+            assert await context(t3) == await context(t2) == [
+                {"role": "user", "content": "first", "msg_id": m1},
+                {"role": "assistant", "content": "re: first"},
+                {"role": "user", "content": "second", "msg_id": m2}]
+            await end_turn(gateway, chat_id)
+            ack, _ = await op(ws, chat_id, "edit", msg_id=m1, text="first, edited")
+            assert await context(ack["turn_id"]) == [
+                {"role": "user", "content": "first, edited", "msg_id": ack["msg_id"]}]
+            await end_turn(gateway, chat_id)
+            for i in range(8):  # a long conversation on the edited branch
+                await exchange(ws, gateway, chat_id, f"q{i}")
+            ack, _ = await message_and_reply(ws, chat_id, "last")
+            everything = await context(ack["turn_id"])
+            # The edited message (its turn ended unanswered), 8 exchanges, the last message.
+            assert len(everything) == 1 + 16 + 1 and everything[-1]["content"] == "last"
+            recent = await context(ack["turn_id"], max_messages=4)
+            assert [m["content"] for m in recent] == ["q7", "re: q7", "last"]  # from a user
+            small = await context(ack["turn_id"], max_tokens=8)
+            assert [m["content"] for m in small] == ["last"]
+            assert t1
+    finally:
+        await client.aclose()
