@@ -1,4 +1,5 @@
-"""Logs never hold a token; the uvicorn protocol subclass still fits; the ASGI fallback works.
+"""Logs never hold a token or message text; JSON logs say which connection, user and chat a
+line is about; the uvicorn protocol subclass still fits; the ASGI fallback works.
 
 ``gateway serve`` processes run here with their own settings and log levels; everything they
 print (stdout and stderr) lands in one file, which is searched once they stopped.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import io
+import json
 import logging
 import re
 import signal
@@ -24,12 +27,12 @@ import pytest
 import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidStatus
+from websockets.frames import Frame, Opcode
 
-from gateway.transport.uvicorn_ws import (
-    GatewayWebSocketProtocol,
-    RedactTokens,
-    check_compatible,
-)
+from gateway import logs
+from gateway.config import ConfigError, load_settings
+from gateway.logs import JsonFormatter, RedactSecrets
+from gateway.transport.uvicorn_ws import GatewayWebSocketProtocol, check_compatible
 
 from .conftest import GatewayProcess, free_port
 from .steps import send_message
@@ -72,6 +75,10 @@ async def exercise(gw: GatewayProcess, user: str, chat_id: str) -> list[str]:
             frames = [await client.recv() for _ in expected]
             assert {f["type"] for f in frames} == expected, frames
             await assert_usable(client, "log")
+    # The token in a header instead (what websockets prints at debug, uvicorn at trace).
+    async with connect(gw.ws, additional_headers={"Authorization": f"Bearer {token}"}) as hdr:
+        await hdr.subscribe(chat_id)
+        await assert_usable(hdr, "header")
     # Refused ones too: expired (4001), another user's chat (an error frame), a bad origin.
     async with connect(f"{gw.ws}?token={expired}", hello=False) as ws:
         assert await ws.close_code() == 4001
@@ -87,6 +94,9 @@ async def exercise(gw: GatewayProcess, user: str, chat_id: str) -> list[str]:
         assert page.status_code == 200 and page.json()["last_seq"] == 2
         resp = await http.post(f"/v1/conversations/{chat_id}/events?token={service}",
                                json={"type": "turn_end", "data": {"reason": "complete"}})
+        assert resp.status_code == 200, resp.text
+        resp = await http.post(f"/v1/conversations/{chat_id}/events", json={"type": "note"},
+                               headers={"Authorization": f"Bearer {service}"})
         assert resp.status_code == 200, resp.text
         assert (await http.get(f"/v1/conversations?token={expired}")).status_code == 401
         assert (await http.get(f"/v1/conversations/{chat_id}?token={other}")
@@ -131,12 +141,105 @@ def test_the_redacting_filter_rewrites_every_token_parameter() -> None:
     record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1,
                                '%s - "WebSocket %s" [accepted]',
                                ("127.0.0.1:5", "/v1/ws?token=a.b.c&x=1&token=d.e.f"), None)
-    assert RedactTokens().filter(record) is True
+    assert RedactSecrets().filter(record) is True
     assert record.getMessage() == (
         '127.0.0.1:5 - "WebSocket /v1/ws?token=[redacted]&x=1&token=[redacted]" [accepted]')
     plain = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "%s ready", ("x",),
                               None)
-    assert RedactTokens().filter(plain) is True and plain.getMessage() == "x ready"
+    assert RedactSecrets().filter(plain) is True and plain.getMessage() == "x ready"
+
+
+# --- JSON logs ---------------------------------------------------------------------------
+
+
+TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """Every line of ``text`` as a JSON object with the four fields every line has."""
+    lines = []
+    for line in text.splitlines():
+        entry = json.loads(line)  # raises on a line that is not JSON
+        assert isinstance(entry, dict), line
+        assert TS_RE.match(entry["ts"]), line
+        assert entry["level"] in ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+        assert isinstance(entry["logger"], str) and isinstance(entry["message"], str), line
+        lines.append(entry)
+    return lines
+
+
+def test_a_line_is_about_the_task_that_bound_it() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(RedactSecrets())
+    log = logging.getLogger("gateway.test-logs")
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+
+    async def session() -> None:
+        logs.bind(connection_id="c1", user_id="u1")
+        log.info("session")
+        about = logs.bind(chat_id="chat-1")
+        log.info("a frame")
+        # A task this one starts (a shared reader, say) inherits the context, not the ids.
+        await asyncio.get_running_loop().create_task(reader())
+        logs.unbind(about)
+        log.info("after the frame")
+        log.info("explicit", extra={"chat_id": "chat-2"})
+
+    async def reader() -> None:
+        log.warning("a reader")
+        logs.about_chat("chat-3")  # on top of a binding it inherited: still not its own
+        log.warning("a reader's chat")
+
+    try:
+        asyncio.run(session())
+        log.info("no loop")
+    finally:
+        log.removeHandler(handler)
+    got = [(e["message"], e.get("connection_id"), e.get("user_id"), e.get("chat_id"))
+           for e in json_lines(stream.getvalue())]
+    assert got == [("session", "c1", "u1", None), ("a frame", "c1", "u1", "chat-1"),
+                   ("a reader", None, None, None), ("a reader's chat", None, None, None),
+                   ("after the frame", "c1", "u1", None),
+                   ("explicit", "c1", "u1", "chat-2"), ("no loop", None, None, None)]
+
+
+def test_an_exception_is_one_field_of_one_line() -> None:
+    try:
+        raise ValueError("bad things at /v1/ws?token=a.b.c")
+    except ValueError:
+        record = logging.LogRecord("gateway.x", logging.ERROR, __file__, 1, "failed: %s",
+                                   ("Bearer x.y.z",), sys.exc_info())
+    assert RedactSecrets().filter(record) is True
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    (entry,) = json_lines(line)
+    assert entry["message"] == "failed: Bearer [redacted]" and entry["level"] == "ERROR"
+    assert entry["exc"].startswith("Traceback (most recent call last):")
+    assert entry["exc"].endswith("ValueError: bad things at /v1/ws?token=[redacted]")
+    assert "a.b.c" not in line and "x.y.z" not in line
+
+
+def test_frame_dumps_keep_their_kind_and_size_only() -> None:
+    frame = Frame(Opcode.TEXT, b'{"type":"message","text":"private"}')
+    record = logging.LogRecord("uvicorn.error", logging.DEBUG, __file__, 1, "< %s", (frame,),
+                               None)
+    assert RedactSecrets().filter(record) is True
+    assert record.getMessage() == "< TEXT [35 bytes]"
+    header = logging.LogRecord("uvicorn.error", logging.DEBUG, __file__, 1, "< %s: %s",
+                               ("Authorization", "bearer a.b.c"), None)
+    assert RedactSecrets().filter(header) is True
+    assert header.getMessage() == "< Authorization: bearer [redacted]"
+
+
+def test_the_log_format_setting() -> None:
+    assert load_settings({}).log_format == "text"
+    assert load_settings({"GATEWAY_LOG_FORMAT": "json"}).log_format == "json"
+    with pytest.raises(ConfigError, match="log_format"):
+        load_settings({"GATEWAY_LOG_FORMAT": "xml"})
 
 
 # --- the uvicorn protocol subclass -------------------------------------------------------
