@@ -13,8 +13,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from . import logs, sse
 from . import protocol as p
-from . import sse
 from .auth import Principal, check_access
 from .errors import Rejected
 from .events import PublishBatch, PublishEvent
@@ -113,13 +113,16 @@ def _gateway(request: Request) -> Gateway:
 
 
 def _principal(request: Request) -> Principal:
-    return _gateway(request).authenticate(request)
+    who = _gateway(request).authenticate(request)
+    logs.bind(user_id=who.user_id)
+    return who
 
 
 def _chat_id(request: Request) -> str:
     chat_id: str = request.path_params["chat_id"]
     if not p.CHAT_ID_RE.match(chat_id):
         raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+    logs.about_chat(chat_id)
     return chat_id
 
 
@@ -213,6 +216,7 @@ class PublishEndpoint:
         chat_id = request.scope["path"][len(CONVERSATIONS):-len(EVENTS)]
         if not p.CHAT_ID_RE.match(chat_id):
             raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+        logs.bind(user_id=who.user_id, chat_id=chat_id)
         batch = (await _body(request, PublishBody)).batch()
         result = await self.gateway.conversations.publish(
             who, chat_id, list(batch.events), batch.idempotency_key

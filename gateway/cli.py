@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from . import logs
 from .auth import Principal, issue_token
 from .config import ConfigError, Settings, data_path, load_settings
 
@@ -144,6 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws=GatewayWebSocketProtocol, ws_max_size=settings.max_frame_bytes,
             ws_ping_interval=settings.heartbeat, ws_ping_timeout=settings.heartbeat,
             ws_per_message_deflate=False, log_level=args.log_level, lifespan="on",
+            log_config=logs.uvicorn_config(settings.log_format, args.log_level),
             timeout_graceful_shutdown=5,
             access_log=False,  # query strings carry tokens (browsers cannot set headers)
         )
@@ -238,13 +240,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    import logging
-
     from .sdk.agent import load_handler, serve
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = load_settings(redis_url=args.redis_url, data_dir=args.data_dir)
+    logs.configure(settings.log_format, args.log_level)
     try:
         handler = load_handler(args.handler)
     except (ImportError, AttributeError, ValueError) as exc:
@@ -277,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="overrides GATEWAY_REDIS_URL")
     serve.add_argument("--data-dir", help="overrides GATEWAY_DATA_DIR")
     serve.add_argument("--dev", action="store_true", help="print a token; serve the demo page")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", choices=logs.LEVELS)
     serve.set_defaults(func=cmd_serve)
 
     token = sub.add_parser("token", help="print a signed token")
@@ -314,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where a new group starts: 0 (all of the inbox) or $ (new only)")
     agent.add_argument("--redis-url", help="overrides GATEWAY_REDIS_URL")
     agent.add_argument("--data-dir", help="overrides GATEWAY_DATA_DIR")
-    agent.add_argument("--log-level", default="info")
+    agent.add_argument("--log-level", default="info", choices=logs.LEVELS)
     agent.set_defaults(func=cmd_agent)
     return parser
 

@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -59,6 +60,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_types: tuple[str, ...] = ("delta", "reasoning_delta")
     stream_max_bytes: int = 1 << 20  # text one stream may hold (stream_too_large past it)
     delta_window_ms: float = 25.0  # agent workers coalesce streamed pieces over this window
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (gateway.logs)
 
 
 _ENV_PREFIX = "GATEWAY_"

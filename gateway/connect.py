@@ -7,15 +7,20 @@ holds no wrapper it does not use.
 
 from __future__ import annotations
 
+import logging
+import secrets
 from typing import Any
 
 from starlette.datastructures import Headers, QueryParams
 
+from . import logs
 from . import protocol as p
 from .auth import AuthError, bearer
 from .closecodes import FORBIDDEN, TOO_MANY, UNAUTHORIZED
 from .runtime import Gateway
 from .session import Receive, Send, Session
+
+log = logging.getLogger("gateway.connect")
 
 
 class SocketEndpoint:
@@ -29,6 +34,9 @@ class SocketEndpoint:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         gateway = self.gateway
+        # Named before the handshake, so that uvicorn's line for it carries the id too.
+        connection_id = secrets.token_hex(8)
+        logs.bind(connection_id=connection_id)
         await receive()  # websocket.connect
         headers = Headers(scope=scope)
         if not gateway.origin_allowed(headers.get("origin")):
@@ -42,16 +50,18 @@ class SocketEndpoint:
         try:
             principal = gateway.tokens.verify(bearer(headers.get("authorization"), query_token))
         except AuthError as exc:
+            log.info("token refused: %s", exc)
             await send({"type": "websocket.close", "code": UNAUTHORIZED,
                         "reason": str(exc)[:120]})
             return
+        logs.bind(user_id=principal.user_id)
         mine = gateway.sessions.setdefault(principal.user_id, set())
         if len(mine) >= gateway.settings.max_connections_per_user:
             await send({"type": "websocket.close", "code": TOO_MANY,
                         "reason": "too many connections"})
             return
         session = Session(gateway, principal, self.codecs[chosen or p.JSON_SUBPROTOCOL],
-                          scope, receive, send)
+                          scope, receive, send, connection_id=connection_id)
         mine.add(session)
         try:
             await session.run()

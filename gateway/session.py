@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from redis.exceptions import RedisError
 
+from . import logs
 from . import protocol as p
 from .auth import Principal
 from .closecodes import (
@@ -89,7 +90,8 @@ class Session:
                  "principal", "receive", "settings", "subs")
 
     def __init__(self, gateway: Gateway, principal: Principal, codec: p.Codec,
-                 scope: dict[str, Any], receive: Receive, send: Send) -> None:
+                 scope: dict[str, Any], receive: Receive, send: Send, *,
+                 connection_id: str | None = None) -> None:
         self.gateway = gateway
         self.hub = gateway.hub
         self.settings = gateway.settings
@@ -97,7 +99,7 @@ class Session:
         self.codec = codec
         self.binary = codec.binary
         self.receive = receive
-        self.id = secrets.token_hex(8)
+        self.id = connection_id or secrets.token_hex(8)
         self.subs: dict[str, Subscription] = {}
         pause_above = min(PAUSE_ABOVE, self.settings.queue_max_bytes // 2)
         self.out = outbound_for(scope, send, codec.binary, self, pause_above)
@@ -212,6 +214,7 @@ class Session:
             task.add_done_callback(self._resyncs.discard)
 
     async def _resync_live(self, req: p.Subscribe, sub: Subscription) -> None:
+        logs.bind(connection_id=self.id, user_id=self.principal.user_id, chat_id=req.chat_id)
         try:
             await self._sync(req, sub, req.since, overflowed=None)
         except (RedisError, ConnectionError, OSError, TimeoutError):
@@ -283,10 +286,13 @@ class Session:
                 env = self.codec.envelope(data)
                 self._bad(code, text, env.id, env.chat_id)
                 continue
+            about = logs.about_chat(getattr(frame, "chat_id", None))
             try:
                 await self._handle(frame)
             except Rejected as exc:
                 self._error(exc.code, exc.message, frame, exc.head)
+            finally:
+                logs.unbind(about)
 
     def _admit(self) -> bool:
         """Token-bucket rate limit on inbound frames."""
@@ -307,6 +313,7 @@ class Session:
         return False
 
     def _bad(self, code: str, message: str, req_id: Any = None, chat_id: Any = None) -> None:
+        log.debug("invalid frame: %s", code)  # not its content: it may hold message text
         self._bad_frames += 1
         if self._bad_frames > self.settings.max_bad_frames:
             self.close(PROTOCOL_ABUSE, "too many invalid frames")
@@ -315,6 +322,7 @@ class Session:
 
     def _error(self, code: str, message: str, frame: p.ClientFrame,
                head: str | None = None) -> None:
+        log.debug("%s refused: %s", type(frame).__name__.lower(), code)
         self._send(p.Error(code, message, frame.id, getattr(frame, "chat_id", None),
                            msgspec.UNSET if head is None else head or None))
 
@@ -411,6 +419,8 @@ class Session:
             self._error(exc.code, exc.message, req)
             return
         meta, cursor = caught.meta, caught.cursor
+        log.debug("subscribed at seq %d, %d replayed, recovered: %s", meta.seq,
+                  len(caught.replay), caught.recovered)
         self._send(p.Subscribed(
             chat_id, meta.epoch, meta.seq, caught.recovered, len(caught.replay),
             _snapshot(meta, self.codec.binary, snapshot(caught.streams)), req.id,
