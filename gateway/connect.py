@@ -14,6 +14,7 @@ from starlette.datastructures import Headers, QueryParams
 from . import protocol as p
 from .auth import AuthError, bearer
 from .closecodes import FORBIDDEN, TOO_MANY, UNAUTHORIZED
+from .metrics import COUNTS
 from .runtime import Gateway
 from .session import Receive, Send, Session
 
@@ -30,9 +31,11 @@ class SocketEndpoint:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         gateway = self.gateway
         await receive()  # websocket.connect
+        COUNTS.opened += 1
         headers = Headers(scope=scope)
         if not gateway.origin_allowed(headers.get("origin")):
             await send({"type": "websocket.close", "code": FORBIDDEN})  # HTTP 403
+            COUNTS.closed[FORBIDDEN] += 1
             return
         offered = scope.get("subprotocols") or []
         chosen = p.MSGPACK_SUBPROTOCOL if p.MSGPACK_SUBPROTOCOL in offered else (
@@ -44,18 +47,22 @@ class SocketEndpoint:
         except AuthError as exc:
             await send({"type": "websocket.close", "code": UNAUTHORIZED,
                         "reason": str(exc)[:120]})
+            COUNTS.closed[UNAUTHORIZED] += 1
             return
         mine = gateway.sessions.setdefault(principal.user_id, set())
         if len(mine) >= gateway.settings.max_connections_per_user:
             await send({"type": "websocket.close", "code": TOO_MANY,
                         "reason": "too many connections"})
+            COUNTS.closed[TOO_MANY] += 1
             return
         session = Session(gateway, principal, self.codecs[chosen or p.JSON_SUBPROTOCOL],
                           scope, receive, send)
         mine.add(session)
+        COUNTS.connections += 1
         try:
             await session.run()
         finally:
+            COUNTS.connections -= 1
             mine.discard(session)
             if not mine:
                 gateway.sessions.pop(principal.user_id, None)
