@@ -3,15 +3,20 @@ the multiprocess files of ``--workers`` merged by prometheus-client into one vie
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import Family, close_label, frame_label
+from gateway.metrics import Family, Sampled, close_label, frame_label
+from gateway.metrics import families as gateway_families
 from gateway.protocol import Message, Subscribe
 from gateway.redis.counters import Histogram
 from gateway.scrape import FileWriter, forget_dead_workers, multiprocess_registry, to_metrics
@@ -105,3 +110,34 @@ def test_a_dead_workers_gauges_go_and_its_counts_stay(tmp_path: Path) -> None:
     assert got["gateway_connections_closed_total", frozenset({("code", "1000")})] == 3
     alive.close()
     ghost.close()
+
+
+def exported() -> set[str]:
+    """Every sample name the gateway exports, from its families (read with no traffic)."""
+
+    class Hub:
+        def census(self) -> tuple[int, int, int]:
+            return 0, 0, 0
+
+    class Gateway:
+        hub = Hub()
+
+    async def read() -> list[Family]:
+        return gateway_families(Gateway(), Sampled())  # type: ignore[arg-type]
+
+    suffixes: dict[str, tuple[str, ...]] = {
+        "counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+    return {family.name + suffix for family in asyncio.run(read())
+            for suffix in suffixes[family.kind]}
+
+
+def test_the_grafana_dashboard_asks_only_for_metrics_the_gateway_exports() -> None:
+    path = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "gateway.json"
+    dashboard: Any = json.loads(path.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"]
+             for target in panel.get("targets", [])]
+    assert exprs
+    asked = {name for expr in exprs for name in re.findall(r"\bgateway_\w+", expr)}
+    names = exported()
+    assert asked - names == set()
+    assert all(name.startswith("gateway_") for name in names)
