@@ -59,6 +59,9 @@ log = logging.getLogger("gateway.metrics")
 
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FLUSH_INTERVAL = 2.0  # seconds between writes of a worker's samples (--workers)
+# Counting asyncio tasks walks all of them (some 100 ms for 100,000 connections): a
+# scrape counts them afresh, a write between scrapes takes a count at most this old.
+TASKS_MAX_AGE = 15.0
 
 
 def multiprocess_dir() -> str | None:
@@ -234,6 +237,7 @@ class Exporter:
         self._loop_thread = 0
         self._flusher: asyncio.Task[None] | None = None
         self._port: MetricsPort | None = None
+        self._tasks, self._tasks_at = 0, -TASKS_MAX_AGE
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -242,7 +246,7 @@ class Exporter:
         if self.directory is not None:
             forget_dead_workers(self.directory)
             self._writer = FileWriter(self.directory, os.getpid())
-            await self._write()
+            await self._write(fresh=True)
             self._flusher = asyncio.create_task(self._flush_loop(), name="metrics-flush")
         elif port:
             self._port = MetricsPort(self.gateway.settings.host, port, self.registry)
@@ -254,7 +258,7 @@ class Exporter:
                 await self._flusher
         if self._writer is not None and self.directory is not None:
             with contextlib.suppress(Exception):
-                self._writer.write(self.read())  # the last counts stay in the totals
+                self._writer.write(self._families())  # the last counts stay in the totals
             self._writer.close()
             mark_process_dead(os.getpid(), self.directory)  # its gauges go
         if self._port is not None:
@@ -267,26 +271,33 @@ class Exporter:
         thread samples Redis and reads them."""
         loop = self._loop
         if loop is None or threading.get_ident() == self._loop_thread:
-            return families(self.gateway, self.sampled)
+            return self._families(fresh=True)
         timeout = self.gateway.settings.redis_timeout + 1
         return asyncio.run_coroutine_threadsafe(self._sampled_read(), loop).result(timeout)
 
     async def _sampled_read(self) -> list[Family]:
         await self.refresh()
-        return families(self.gateway, self.sampled)
+        return self._families(fresh=True)
+
+    def _families(self, fresh: bool = False) -> list[Family]:
+        now = time.monotonic()
+        if fresh or now - self._tasks_at > TASKS_MAX_AGE:
+            self._tasks, self._tasks_at = len(asyncio.all_tasks()), now
+        return families(self.gateway, self.sampled, self._tasks)
 
     async def refresh(self) -> None:
         """Sample Redis (readiness, the agent inbox) for the gauges that need it."""
         try:
             await asyncio.wait_for(self.sampled.refresh(self.gateway),
                                    self.gateway.settings.redis_timeout)
-        except TimeoutError:
-            log.warning("sampling Redis for /metrics timed out")
+        except TimeoutError:  # a frozen server: not ready, whatever the last sample said
+            log.debug("sampling Redis for /metrics timed out")
+            self.sampled.ready = dict.fromkeys(self.sampled.ready or ("redis",), False)
 
-    async def _write(self) -> None:
+    async def _write(self, fresh: bool = False) -> None:
         await self.refresh()
         assert self._writer is not None
-        self._writer.write(families(self.gateway, self.sampled))
+        self._writer.write(self._families(fresh))
 
     async def _flush_loop(self) -> None:
         while True:
@@ -299,8 +310,8 @@ class Exporter:
     async def expose(self, accept: str) -> tuple[bytes, str]:
         """The exposition, in the format ``accept`` asks for (text, or OpenMetrics)."""
         if self._writer is not None:
-            await self._write()  # this worker's counts, fresh; the others' are at most
-            # FLUSH_INTERVAL old
+            # This worker's counts, fresh; the others' are at most FLUSH_INTERVAL old.
+            await self._write(fresh=True)
         else:
             await self.refresh()
         encode, content_type = choose_encoder(accept)

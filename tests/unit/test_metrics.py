@@ -123,7 +123,7 @@ def exported() -> set[str]:
         hub = Hub()
 
     async def read() -> list[Family]:
-        return gateway_families(Gateway(), Sampled())  # type: ignore[arg-type]
+        return gateway_families(Gateway(), Sampled(), 0)  # type: ignore[arg-type]
 
     suffixes: dict[str, tuple[str, ...]] = {
         "counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
