@@ -141,7 +141,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     check_compatible()  # fail at start, not on the first connection, after a uvicorn upgrade
     # Workers are processes of their own: their metrics meet in files (scrape.py).
-    made_dir = scrape.prepare_multiprocess_dir() if args.workers > 1 else None
+    made_dir = None
+    if args.workers > 1 or scrape.multiprocess_dir():
+        made_dir = scrape.prepare_multiprocess_dir()
     metrics_dir = scrape.multiprocess_dir()
     metrics_port = None
     if metrics_dir is not None and settings.metrics_port:

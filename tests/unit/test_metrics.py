@@ -15,10 +15,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import Family, Sampled, close_label, frame_label
+from gateway.frames import Frame
+from gateway.metrics import COUNTS, Family, Sampled, close_label, frame_label
 from gateway.metrics import families as gateway_families
 from gateway.protocol import Message, Subscribe
 from gateway.redis.counters import Histogram
+from gateway.rooms import Room
 from gateway.scrape import FileWriter, forget_dead_workers, multiprocess_registry, to_metrics
 
 
@@ -141,3 +143,29 @@ def test_the_grafana_dashboard_asks_only_for_metrics_the_gateway_exports() -> No
     names = exported()
     assert asked - names == set()
     assert all(name.startswith("gateway_") for name in names)
+
+
+def test_a_room_counts_the_answers_streaming_in_it() -> None:
+    room = Room("c1")
+    before = COUNTS.discarded
+
+    def delta(stream_id: str, pos: int) -> Frame:
+        return Frame(b'{"type":"delta","chat_id":"c1","seq":null,"stream":{"id":"'
+                     + stream_id.encode() + b'","pos":' + str(pos).encode()
+                     + b'},"data":{"text":"x"}}', None, (stream_id, pos))
+
+    room.fan_out(delta("s1", 0))
+    room.fan_out(delta("s1", 1))
+    room.fan_out(delta("s2", 3))  # joined mid-answer: it counts too
+    assert len(room.streams) == 2
+    room.fan_out(Frame(b'{"type":"tool_call","chat_id":"c1","seq":4,"data":{}}', 4))
+    assert len(room.streams) == 2  # a frame that names no stream ends none
+    room.fan_out(Frame(b'{"type":"message","chat_id":"c1","seq":5,"data":'
+                       b'{"stream_id":"s1","text":"xx"}}', 5))
+    assert list(room.streams) == ["s2"]  # committed
+    room.fan_out(Frame(b'{"type":"stream_discarded","chat_id":"c1","seq":null,"data":'
+                       b'{"stream_id":"s2","type":"delta","turn_id":"t"}}'))
+    assert not room.streams and COUNTS.discarded == before + 1
+    room.fan_out(delta("s3", 0))
+    room.fan_out(Frame(b'{"type":"turn_end","chat_id":"c1","seq":6,"data":{}}', 6))
+    assert not room.streams  # the turn's end ends every answer
