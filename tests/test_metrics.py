@@ -17,7 +17,7 @@ import redis
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.redis.agent_inbox import inbox_key, inbox_partition
+from gateway.redis.agent_inbox import inbox_key, inbox_partition, partitions
 
 from .conftest import GatewayProcess, connect, free_port
 from .steps import create, message_and_reply, post_events, publish
@@ -167,7 +167,10 @@ async def test_a_session_moves_the_counts_by_what_it_did(
 
 async def test_turn_timeouts_and_closes_are_counted(start_gateway: Any, user: str,
                                                     chat_id: str) -> None:
-    gw = start_gateway(turn_timeout=1, rate_limit=5, rate_burst=5)
+    # Every gateway's sweeper ends the overdue turns of its inbox partitions: these are
+    # swept by this gateway alone, so its count is the one that moves.
+    assert not {p.tag for p in partitions(13)} & {p.tag for p in partitions(8)}
+    gw = start_gateway(turn_timeout=1, rate_limit=5, rate_burst=5, inbox_partitions=13)
     before = await scrape(gw.http)
     async with connect(gw.url(user)) as ws:
         await ws.subscribe(chat_id)
