@@ -84,12 +84,14 @@ def create_app() -> GatewayApp:
 
 
 def _demo_agent(gateway: Gateway) -> Companion:
+    from .metrics import COUNTS
     from .sdk.agent import AgentWorker, stable_consumer
     from .sdk.demo_agent import handle
 
     # A stable name: restarted, this process resumes the turns it was running.
     worker = AgentWorker(gateway.backend.client, gateway.settings, handle,
                          consumer=stable_consumer(gateway.settings.port))
+    COUNTS.agents.append(worker.stats)  # its reclaims, in /metrics
     return _Stopping(worker, grace=3)
 
 
@@ -109,6 +111,7 @@ class _Stopping:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from . import scrape
     from .embedded import EmbeddedRedis
     from .transport.uvicorn_ws import GatewayWebSocketProtocol, check_compatible
 
@@ -138,6 +141,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # ``finally`` below that stops (and waits for) the embedded server. Exit cleanly instead.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     check_compatible()  # fail at start, not on the first connection, after a uvicorn upgrade
+    # Workers are processes of their own: their metrics meet in files (scrape.py).
+    made_dir = None
+    if args.workers > 1 or scrape.multiprocess_dir():
+        made_dir = scrape.prepare_multiprocess_dir()
+    metrics_dir = scrape.multiprocess_dir()
+    metrics_port = None
+    if metrics_dir is not None and settings.metrics_port:
+        metrics_port = scrape.MetricsPort(settings.host, settings.metrics_port,
+                                          scrape.multiprocess_registry(metrics_dir))
     try:
         uvicorn.run(
             "gateway.cli:create_app", factory=True, host=settings.host, port=settings.port,
@@ -150,6 +162,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             access_log=False,  # query strings carry tokens (browsers cannot set headers)
         )
     finally:
+        if metrics_port is not None:
+            metrics_port.close()
+        scrape.remove_multiprocess_dir(made_dir)
         if embedded is not None:
             embedded.stop()
     return 0

@@ -22,6 +22,7 @@ from .auth import Principal
 from .config import Settings
 from .errors import Rejected
 from .events import PublishEvent, clean_title, now_ms, to_out_event
+from .metrics import COUNTS
 from .redis.agent_inbox import AgentInbox, Handoff
 from .redis.records import Meta, OutEvent, Published, TreeOp
 from .redis.store import NotReplicated, Store
@@ -234,6 +235,7 @@ class Conversations:
                                        turn_id=turn_id)]
                 )
                 ended += 1
+                COUNTS.turn_timeouts += 1
             except Rejected:
                 pass  # already ended, or the conversation is gone
             await self.inbox.untrack_turn(chat_id, turn_id)
@@ -260,6 +262,7 @@ class Conversations:
                 log.info("handed off %s %s for a gateway that did not", handoff.chat_id,
                          handoff.turn_id)
                 handed += 1
+                COUNTS.handoffs_swept += 1
         return handed
 
     async def _message_seq(self, chat_id: str, turn_id: str, meta: Meta) -> int:

@@ -41,6 +41,7 @@ from .closecodes import (
 from .errors import Rejected
 from .events import now_ms
 from .frames import Frame
+from .metrics import COUNTS
 from .redis.records import Meta
 from .rooms import Seat
 from .streams import snapshot
@@ -157,6 +158,7 @@ class Session:
         self._closing = True
         self._leave_all_direct()
         self._closer = self.out.close(code, reason)
+        COUNTS.closed[code] += 1
 
     # --- transport events (the fast path's listener; called synchronously) ------------
 
@@ -229,10 +231,14 @@ class Session:
         payload = self.codec.encode(frame)
         if not self._over_bound(len(payload)):
             self.out.send_payload(payload)
+            COUNTS.replies += 1
+            COUNTS.bytes_out += len(payload)
 
     def _send_frame(self, frame: Frame) -> None:
         if not self._closing and not self._over_bound(frame.size):
             self.out.send_frame(frame)
+            COUNTS.sent += 1
+            COUNTS.bytes_out += frame.size
 
     def _over_bound(self, size: int) -> bool:
         """Close with 4008 if ``size`` more bytes would pass the bound of unsent bytes."""
@@ -260,6 +266,8 @@ class Session:
             if self._over_bound(size):
                 return
             self.out.send_frames(chunk)
+            COUNTS.replayed += len(chunk)
+            COUNTS.bytes_out += size
 
     # --- inbound ----------------------------------------------------------------------
 
@@ -268,6 +276,8 @@ class Session:
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
+                if self._closer is None:  # closed by the peer, or lost: not by us
+                    COUNTS.closed[message.get("code", 1005)] += 1
                 return
             if self._closing:
                 # Closed by us (4008, 4011, 4029...) but the close frame has not reached the
@@ -282,6 +292,7 @@ class Session:
             try:
                 frame = self.codec.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                COUNTS.frames_in[None] += 1
                 code, text = p.error_message(exc)
                 env = self.codec.envelope(data)
                 self._bad(code, text, env.id, env.chat_id)
@@ -327,6 +338,7 @@ class Session:
                            msgspec.UNSET if head is None else head or None))
 
     async def _handle(self, frame: p.ClientFrame) -> None:
+        COUNTS.frames_in[type(frame)] += 1
         match frame:
             case p.Subscribe():
                 await self._subscribe(frame)
@@ -421,6 +433,9 @@ class Session:
         meta, cursor = caught.meta, caught.cursor
         log.debug("subscribed at seq %d, %d replayed, recovered: %s", meta.seq,
                   len(caught.replay), caught.recovered)
+        if since is not None:
+            COUNTS.replays[caught.recovered, bool(overflowed)] += 1
+        COUNTS.snapshots += len(caught.streams)
         self._send(p.Subscribed(
             chat_id, meta.epoch, meta.seq, caught.recovered, len(caught.replay),
             _snapshot(meta, self.codec.binary, snapshot(caught.streams)), req.id,
@@ -452,6 +467,7 @@ class Session:
             self._drop(req.chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
+        COUNTS.replays[True, False] += 1
         self._send(p.Subscribed(req.chat_id, meta.epoch, meta.seq, True, 0,
                                 _snapshot(meta, self.codec.binary), req.id,
                                 buffered=len(sub.pending), overflowed=False))

@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+from time import perf_counter
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from ..config import Settings
 from ..errors import Rejected
 from .backend import Backend
+from .counters import REDIS
 from .keys import feed_channel, index_key, meta_key
 from .pipeline import AutoPipeline
 from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
@@ -53,6 +57,13 @@ class Epochs:
         return f"{self._prefix}{next(self._count):x}"
 
 
+def _observe_turn(ended_at: int, started_at: asyncio.Future[Any]) -> None:
+    """A turn ended at ``ended_at`` (ms, the server's clock): observe how long it ran."""
+    if started_at.done() and not started_at.cancelled() and started_at.exception() is None \
+            and started_at.result():
+        REDIS.turn_seconds.observe(max(0, ended_at - int(started_at.result())) / 1000)
+
+
 def _text_fields(reply: Any) -> dict[str, str]:
     """A hash as HGETALL gives it (a flat list in RESP2, a map in RESP3), as text."""
     if not isinstance(reply, dict):
@@ -77,6 +88,7 @@ class Store:
         self._rotate = RotateScript()
         self._path = HistoryScript()
         self._tree = TreeScript()
+        self._streamed = frozenset(settings.stream_types)
 
     async def publish(
         self,
@@ -90,19 +102,43 @@ class Store:
     ) -> Published:
         """Append ``events`` in order, as the tree operation ``op`` if given; raise
         :class:`Rejected` if the state refuses them."""
-        reply, replicas = await self.pipeline.evalsha_durable(*self._publish.call(
-            chat_id, events, fresh=self._new_epoch(), create_owner=create_owner,
-            writer=writer, idempotency_key=idempotency_key, op=op))
-        result = self._publish.decode(reply)
-        if result.listed and result.feed is not None:
-            await self._tell_owner(result.owner, result.feed, "ZADD", result.ts, chat_id)
-        self.check_replicated(replicas, result)  # stored either way: list and feed tell it
-        return result
+        began = perf_counter()
+        streamed, started_at = 0, None
+        for event in events:  # what the counters need of the batch
+            if not event.durable and event.type in self._streamed:
+                streamed += len(event.data)
+            elif event.type == "turn_end" and started_at is None:
+                # Read in the same batch, just ahead of the script that clears it.
+                started_at = self.pipeline.issue("HGET", meta_key(chat_id), "started_at")
+        try:
+            reply, replicas = await self.pipeline.evalsha_durable(*self._publish.call(
+                chat_id, events, fresh=self._new_epoch(), create_owner=create_owner,
+                writer=writer, idempotency_key=idempotency_key, op=op))
+            result = self._publish.decode(reply)
+            if not result.duplicate:
+                REDIS.streamed_bytes += streamed
+                if started_at is not None:
+                    _observe_turn(result.ts, started_at)
+            if result.listed and result.feed is not None:
+                await self._tell_owner(result.owner, result.feed, "ZADD", result.ts, chat_id)
+            self.check_replicated(replicas, result)  # stored either way: list and feed tell it
+            return result
+        except Rejected as exc:
+            REDIS.publish_errors[exc.code] += 1
+            raise
+        except (RedisError, OSError):
+            REDIS.publish_errors["backend_unavailable"] += 1
+            raise
+        finally:
+            REDIS.publish_seconds.observe(perf_counter() - began)
+            if started_at is not None and started_at.done() and not started_at.cancelled():
+                started_at.exception()  # retrieved: a failed read is the publish's failure
 
     def check_replicated(self, replicas: int | None, result: Published | None = None) -> None:
         """Acknowledged means as durable as configured: so many replicas have it."""
         wanted = self.settings.wait_replicas
         if replicas is not None and replicas < wanted:
+            REDIS.replication_timeouts += 1
             raise NotReplicated(f"stored, but {replicas} of {wanted} replicas confirmed within "
                                 f"{self.settings.wait_timeout_ms} ms; retry with the same "
                                 "idempotency key", result)
