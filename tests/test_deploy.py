@@ -511,11 +511,13 @@ async def test_a_gateway_restarted_behind_haproxy_moves_its_clients_resumed(
                 if len(received[n]) == total:
                     return
 
-        for client in clients:  # one after another: leastconn puts two on each
-            await client.connect()
-            await client.subscribe(chat_id)
-        readers = [asyncio.create_task(read(n, c)) for n, c in enumerate(clients)]
+        readers: list[asyncio.Task[None]] = []
         try:
+            async with asyncio.timeout(20):  # the SDK retries for ever: bound it
+                for client in clients:  # one after another: leastconn puts two on each
+                    await client.connect()
+                    await client.subscribe(chat_id)
+            readers = [asyncio.create_task(read(n, c)) for n, c in enumerate(clients)]
             for n in range(10):
                 await publish(b, chat_id, {"type": "note", "data": {"n": n}})
             stopping = asyncio.create_task(asyncio.to_thread(a.stop, signal.SIGTERM))
