@@ -577,8 +577,14 @@ def test_kubectl_apply_takes_every_manifest() -> None:
                          ids=lambda p: str(p.relative_to(K8S)))
 def test_manifests_match_the_kubernetes_api(path: Path, version: str) -> None:
     """Strict: a misspelled field is an error, not silently ignored as kubectl would."""
+    errors = []
     for doc in yaml.safe_load_all(path.read_text()):
-        kubernetes_validate.validate(doc, version, strict=True)
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:  # its str() is the whole schema
+            where = ".".join(str(part) for part in exc.absolute_path)
+            errors.append(f"{doc['kind']} {doc['metadata']['name']}: {where}: {exc.message}")
+    assert not errors
 
 
 def pod_env(*sources: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
