@@ -97,7 +97,6 @@ def test_the_known_variables_are_derived_from_the_code() -> None:
     known = known_variables()
     assert {"GATEWAY_REDIS_URL", "GATEWAY_SECRET", "GATEWAY_PORT"} <= known
     assert "GATEWAY_SECRET" in read_directly()  # cli.py reads it back after serve sets it
-    assert len(known) == len(msgspec.structs.fields(Settings))  # nothing read outside them
 
 
 @pytest.mark.parametrize("path", deploy_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
