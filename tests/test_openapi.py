@@ -32,6 +32,9 @@ from gateway.api import document
 from gateway.errors import ErrorBody
 from gateway.protocol import CHAT_ID_RE
 
+from .steps import start_turn
+from .wsclient import connect
+
 EXAMPLES = int(os.environ.get("GATEWAY_OPENAPI_EXAMPLES", "40"))
 SEED = int(os.environ.get("GATEWAY_OPENAPI_SEED", "20260101"))
 STREAM = "/v1/conversations/{chat_id}/stream"  # never ends: checked below, not fuzzed
@@ -132,6 +135,46 @@ def test_the_stream_refuses_as_documented(gateway: Any, user: str, chat_id: str)
         lines = reply.iter_lines()
         first = [next(lines) for _ in range(3)]
         assert first[1] == "event: ready" and first[2].startswith("data: {"), first
+
+
+@pytest.mark.anyio
+async def test_a_conversation_in_full_keeps_the_contract(gateway: Any, user: str,
+                                                        chat_id: str) -> None:
+    """What the fuzzing seldom builds: a goal, a running turn, a streamed answer committed
+    and the turn ended; every reply checked against the document."""
+    user_headers, service = gateway.headers(user), gateway.headers("agent", "service")
+
+    def call(method: str, path: str, headers: dict[str, str], **parts: Any) -> Any:
+        case = FULL[path][method].Case(**parts)
+        reply = case.call_and_validate(base_url=gateway.http, headers=headers, checks=CHECKS)
+        assert reply.status_code < 300, reply.text
+        return reply.json() if reply.content else None
+
+    events, one = "/v1/conversations/{chat_id}/events", "/v1/conversations/{chat_id}"
+    here = {"chat_id": chat_id}
+    call("POST", "/v1/conversations", user_headers, body={"chat_id": chat_id, "title": "Trip"})
+    call("POST", events, service, path_parameters=here,
+         body={"type": "goal_state", "data": {"active": True, "objective": "plan a day"}})
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        turn_id = await start_turn(ws, chat_id, "plan a day in Lisbon")
+    running = call("GET", one, user_headers, path_parameters=here)
+    assert running["status"] == "running" and running["turn_id"] == turn_id
+    assert running["goal_state"]["objective"] == "plan a day"
+    assert running["preview"] == "plan a day in Lisbon"
+    call("POST", events, service, path_parameters=here, body={"events": [
+        {"type": "delta", "data": {"text": "Sure"}, "durable": False, "attempt": "a1"},
+        {"type": "message", "data": {}, "attempt": "a1"},
+        {"type": "turn_end", "data": {"reason": "complete"}},
+    ]})
+    page = call("GET", "/v1/conversations", user_headers, query={"limit": 1})
+    assert page["conversations"][0]["chat_id"] == chat_id
+    history = call("GET", events, user_headers, path_parameters=here, query={"after": 0})
+    kinds = [event["type"] for event in history["events"]]
+    assert kinds[-3:] == ["turn_start", "message", "turn_end"], kinds
+    assert history["events"][-2]["data"]["text"] == "Sure"
+    call("PATCH", one, user_headers, path_parameters=here, body={"title": "Lisbon"})
+    call("DELETE", one, user_headers, path_parameters=here)
 
 
 # --- what the fuzzing found, each pinned --------------------------------------------------
