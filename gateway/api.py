@@ -37,6 +37,8 @@ T = TypeVar("T")
 _encode = msgspec.json.encode
 EVENT_STREAM = sse.MEDIA_TYPE
 
+# A new route: its handler below with @API.operation(...), and the type of any new path
+# parameter here. Nothing else: the route and its document entry come from that one place.
 API = Api(path_params={"chat_id": p.ChatId})
 
 

@@ -67,8 +67,8 @@ class Api:
         self.operations: list[Operation] = []
 
     def operation(self, method: str, path: str, **spec: Any) -> Callable[[E], E]:
-        """Decorate a handler: it serves ``method path`` as ``spec`` (see :class:`Operation`)
-        declares."""
+        """A decorator: the handler serves ``method path``, taking and answering what
+        ``spec`` (the other fields of :class:`Operation`) declares."""
 
         def register(endpoint: E) -> E:
             self.add(Operation(method=method, path=path, endpoint=endpoint, **spec))
