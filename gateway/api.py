@@ -1,23 +1,32 @@
-"""HTTP routes: conversations, publishing, history, health."""
+"""HTTP routes: conversations, publishing, history, health, and the API's own document.
+
+Each route is declared once, with ``@API.operation`` on its handler: that entry is both
+the Starlette route and the OpenAPI document's entry (:mod:`gateway.openapi`), and the
+Structs below are what the handlers decode and encode, so ``/v1/openapi.json`` is the
+contract the replies keep.
+"""
 
 from __future__ import annotations
 
+import functools
 import secrets
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from . import logs, sse
+from . import __version__, logs, sse
 from . import protocol as p
 from .auth import Principal, check_access
-from .errors import Rejected
-from .events import PublishBatch, PublishEvent
+from .errors import ErrorBody, ErrorDetail, Rejected
+from .events import TYPED_EVENT, AgentEventType, EventList, PublishBatch, PublishEvent
+from .openapi import Api
 from .redis.records import Meta
 
 if TYPE_CHECKING:
@@ -26,6 +35,11 @@ if TYPE_CHECKING:
 MAX_BODY_BYTES = 1 << 20
 T = TypeVar("T")
 _encode = msgspec.json.encode
+EVENT_STREAM = sse.MEDIA_TYPE
+
+# A new route: its handler below with @API.operation(...), and the type of any new path
+# parameter here. Nothing else: the route and its document entry come from that one place.
+API = Api(path_params={"chat_id": p.ChatId})
 
 
 class JSONResponse(Response):
@@ -36,75 +50,202 @@ class JSONResponse(Response):
 
 
 def _error_body(code: str, message: str, head: str | None = None) -> bytes:
-    error: dict[str, Any] = {"code": code, "message": message}
-    if head is not None:  # a refused tree operation: the head now (null for none)
-        error["head"] = head or None
-    return _encode({"error": error})
+    # A refused tree operation names the head now (null for none).
+    return _encode(ErrorBody(ErrorDetail(code, message,
+                                         UNSET if head is None else head or None)))
 
 
 def error_response(status: int, code: str, message: str,
+                   headers: Mapping[str, str] | None = None,
                    head: str | None = None) -> JSONResponse:
-    return JSONResponse(_error_body(code, message, head), status_code=status)
+    return JSONResponse(_error_body(code, message, head), status_code=status,
+                        headers=headers)
+
+
+# --- what the routes take -------------------------------------------------------------
 
 
 class NewConversation(msgspec.Struct, frozen=True):
     chat_id: p.ChatId | None = None
-    title: str | None = None
+    title: p.Title | None = None
 
 
 class Rename(msgspec.Struct, frozen=True):
-    title: str
+    title: p.Title
+
+
+# Query Structs: an optional parameter defaults to UNSET, never None, since lax conversion
+# would read "?cursor=null" as None (openapi.py refuses a nullable query parameter).
 
 
 class PageQuery(msgspec.Struct, frozen=True):
     limit: Annotated[int, msgspec.Meta(ge=1, le=200)] = 50
-    cursor: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    cursor: Annotated[int, msgspec.Meta(ge=0)] | UnsetType = UNSET
+
+
+class HistoryQuery(msgspec.Struct, frozen=True):
+    after: p.Seq = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
+    view: Literal["active", "all"] = "active"  # the active path, or every branch
+
+
+class TreeOpBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST .../retry``, ``.../undo``: the WebSocket frame's fields but type and id."""
+
+    expected_head: p.ExpectedHead = UNSET  # null: no head expected (an empty conversation)
+    cancel: bool = False  # end a running turn first instead of being refused
+
+
+class EditBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    msg_id: p.NodeId
+    text: str
+    client_msg_id: p.ClientMsgId | None = None
+    expected_head: p.ExpectedHead = UNSET
+    cancel: bool = False
+
+
+class SwitchBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    node_id: p.NodeId
+    expected_head: p.ExpectedHead = UNSET
+    cancel: bool = False
+
+
+LastEventId = Annotated[str, msgspec.Meta(pattern=sse.LAST_EVENT_ID_RE.pattern)]
+
+
+class StreamQuery(msgspec.Struct, frozen=True):
+    # The Last-Event-ID header wins over it; sse.endpoint checks both with this pattern.
+    last_event_id: LastEventId | UnsetType = UNSET
 
 
 class PublishBody(msgspec.Struct, frozen=True):
-    """``POST .../events``: one event (``type``...) or a batch (``events``), decoded in one
-    pass straight from the body."""
+    """One event (`type`, `data`, ...) or a batch of them (`events`)."""
 
-    type: p.EventType | None = None
+    # Unset rather than None: `"type": null` is not a way to leave it out.
+    type: AgentEventType | UnsetType = UNSET
     data: dict[str, Any] = {}
     durable: bool = True
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
-    events: Annotated[list[PublishEvent], msgspec.Meta(min_length=1, max_length=500)] | None = None
+    events: EventList | UnsetType = UNSET
     attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
     def batch(self) -> PublishBatch:
-        if self.events is not None:
-            if self.type is not None:
+        if not isinstance(self.events, UnsetType):
+            if not isinstance(self.type, UnsetType):
                 raise Rejected("unprocessable", "give either `type` (one event) or `events`")
             return PublishBatch(self.events, self.idempotency_key)
-        if self.type is None:
+        if isinstance(self.type, UnsetType):
             raise Rejected("unprocessable", "Object missing required field `type`")
         one = PublishEvent(self.type, self.data, self.durable, self.idempotency_key,
                            self.attempt)
         return PublishBatch([one], self.idempotency_key)
 
 
-class HistoryQuery(msgspec.Struct, frozen=True):
-    after: Annotated[int, msgspec.Meta(ge=0)] = 0
-    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
-    view: Literal["active", "all"] = "active"  # the active path, or every branch
+# Documents the one-event-or-batch rule PublishBody.batch() enforces.
+PUBLISH_BODY = Annotated[PublishBody, TYPED_EVENT, msgspec.Meta(extra_json_schema={
+    "oneOf": [{"required": ["type"]}, {"required": ["events"]}],
+})]
 
 
-class TreeOpBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``POST .../retry`` and ``.../undo``: the WebSocket frame's fields but type and id."""
-
-    expected_head: p.ExpectedHead = msgspec.UNSET
-    cancel: bool = False
+# --- what the routes answer -----------------------------------------------------------
 
 
-class EditBody(TreeOpBody, frozen=True):
-    msg_id: p.NodeId = ""
-    text: str = ""
-    client_msg_id: p.ClientMsgId | None = None
+class Conversation(msgspec.Struct, frozen=True):
+    """A conversation as the HTTP API shows it."""
+
+    chat_id: p.ChatId
+    owner: str
+    title: str | None
+    status: Literal["idle", "running"]
+    turn_id: str | None
+    epoch: str
+    last_seq: int
+    created_at: int
+    updated_at: int
+    goal_state: p.GoalState | None
+    preview: str | None
+    head: str | None  # the node the next message follows (protocol.md, the tree)
+
+    @classmethod
+    def of(cls, chat_id: str, meta: Meta) -> Conversation:
+        goal = msgspec.json.decode(meta.goal, type=p.GoalState) if meta.goal else None
+        return cls(chat_id, meta.owner, meta.title,
+                   "running" if meta.status == "running" else "idle", meta.turn_id,
+                   meta.epoch, meta.seq, meta.created_at, meta.updated_at, goal, meta.preview,
+                   meta.head)
 
 
-class SwitchBody(TreeOpBody, frozen=True):
-    node_id: p.NodeId = ""
+class ConversationPage(msgspec.Struct, frozen=True):
+    conversations: list[Conversation]
+    next_cursor: int | None  # give it as ?cursor= for the next page; null on the last
+
+
+class Published(msgspec.Struct, frozen=True):
+    chat_id: p.ChatId
+    epoch: str
+    seqs: list[int | None]  # one per event: its seq, or null for an ephemeral one
+    last_seq: int
+    duplicate: bool  # a repeated idempotency_key: the first result, nothing written
+
+
+class EventFrame(msgspec.Struct, frozen=True):
+    """A durable event as stored and sent (protocol.md, "Event frames")."""
+
+    type: str
+    chat_id: p.ChatId
+    seq: int
+    ts: int
+    data: dict[str, Any]
+
+
+class Fork(msgspec.Struct, frozen=True):
+    siblings: list[str]  # the node and its siblings, by creation
+    index: int  # the node's place among them
+
+
+class HistoryPage(msgspec.Struct, frozen=True, omit_defaults=True):
+    chat_id: p.ChatId
+    epoch: str
+    last_seq: int
+    next_after: int | None  # give it as ?after= for the next page; null on the last
+    head: str | None
+    events: list[EventFrame]
+    # view=active: every node on the active path that has siblings.
+    forks: dict[str, Fork] | UnsetType = UNSET
+
+
+class TreeNodeView(msgspec.Struct, frozen=True):
+    id: str
+    kind: Literal["user", "turn"]
+    parent_id: str | None
+    seq: int
+    preview: str | None
+    children: list[str]
+
+
+class ForkLeaf(msgspec.Struct, frozen=True):
+    node_id: str | None  # null: the first messages' fork
+    leaf: str  # where a switch to it goes: the leaf last active below it
+
+
+class TreeView(msgspec.Struct, frozen=True):
+    chat_id: p.ChatId
+    head: str | None
+    roots: list[str]  # the first messages
+    forks: list[ForkLeaf]
+    nodes: list[TreeNodeView]  # by seq
+
+
+class Health(msgspec.Struct, frozen=True):
+    status: Literal["ok"]
+
+
+class Ready(msgspec.Struct, frozen=True):
+    status: Literal["ready"]
+    dependencies: dict[str, Literal["ok"]]
+
+
+# --- reading a request ----------------------------------------------------------------
 
 
 def _gateway(request: Request) -> Gateway:
@@ -171,17 +312,26 @@ async def _owned(request: Request, who: Principal, chat_id: str) -> Meta:
     return check_access(who, await _gateway(request).store.meta(chat_id), chat_id)
 
 
-def conversation_view(chat_id: str, meta: Meta) -> dict[str, Any]:
-    return {
-        "chat_id": chat_id, "owner": meta.owner, "title": meta.title, "status": meta.status,
-        "turn_id": meta.turn_id, "epoch": meta.epoch, "last_seq": meta.seq,
-        "created_at": meta.created_at, "updated_at": meta.updated_at,
-        "goal_state": msgspec.Raw(meta.goal) if meta.goal else None, "preview": meta.preview,
-        "head": meta.head,
-    }
-
-
 # --- routes ---------------------------------------------------------------------------
+
+CONVERSATIONS = "/v1/conversations/"
+EVENTS = "/events"
+
+
+async def _publish(gateway: Gateway, request: Request) -> bytes:
+    who = gateway.authenticate(request)
+    if not who.is_service:
+        raise Rejected("forbidden", "publishing needs a service token")
+    chat_id = request.scope["path"][len(CONVERSATIONS):-len(EVENTS)]
+    if not p.CHAT_ID_RE.match(chat_id):
+        raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+    logs.bind(user_id=who.user_id, chat_id=chat_id)
+    batch = (await _body(request, PublishBody)).batch()
+    result = await gateway.conversations.publish(
+        who, chat_id, list(batch.events), batch.idempotency_key
+    )
+    return _encode(Published(chat_id, result.epoch, result.seqs, result.last_seq,
+                             result.duplicate))
 
 
 class PublishEndpoint:
@@ -189,7 +339,8 @@ class PublishEndpoint:
 
     A plain ASGI app that :class:`~gateway.app.GatewayApp` calls directly: agents publish
     thousands of times a second, and Starlette's routing and middleware cost as much as the
-    publish itself. Replies and errors have the same shape as every other route's.
+    publish itself. It is the ``publish`` operation below, minus Starlette: replies and
+    errors are the same.
     """
 
     def __init__(self, gateway: Gateway) -> None:
@@ -197,7 +348,7 @@ class PublishEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            status, body = 200, await self._publish(Request(scope, receive))
+            status, body = 200, await _publish(self.gateway, Request(scope, receive))
         except ClientDisconnect:
             return  # nobody left to answer
         except Rejected as exc:
@@ -209,21 +360,6 @@ class PublishEndpoint:
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _publish(self, request: Request) -> bytes:
-        who = self.gateway.authenticate(request)
-        if not who.is_service:
-            raise Rejected("forbidden", "publishing needs a service token")
-        chat_id = request.scope["path"][len(CONVERSATIONS):-len(EVENTS)]
-        if not p.CHAT_ID_RE.match(chat_id):
-            raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
-        logs.bind(user_id=who.user_id, chat_id=chat_id)
-        batch = (await _body(request, PublishBody)).batch()
-        result = await self.gateway.conversations.publish(
-            who, chat_id, list(batch.events), batch.idempotency_key
-        )
-        return _encode({"chat_id": chat_id, "epoch": result.epoch, "seqs": result.seqs,
-                        "last_seq": result.last_seq, "duplicate": result.duplicate})
-
     @staticmethod
     def matches(scope: Scope) -> bool:
         path: str = scope["path"]
@@ -231,43 +367,75 @@ class PublishEndpoint:
                 and path.endswith(EVENTS) and "/" not in path[len(CONVERSATIONS):-len(EVENTS)])
 
 
-CONVERSATIONS = "/v1/conversations/"
-EVENTS = "/events"
+@API.operation(
+    "POST", "/v1/conversations/{chat_id}/events", summary="Publish events (service)",
+    description="One event (`type`, `data`, ...) or a batch (`events`, at most 500, atomic, "
+    "in order). A repeated `idempotency_key` returns the first result with "
+    "`duplicate: true` and writes nothing. Event types and their data: protocol.md.",
+    body=PUBLISH_BODY, reply=Published, errors=(400, 403, 404, 409, 413, 422, 503),
+)
+async def publish(request: Request) -> Response:
+    # app.py routes this operation to PublishEndpoint first; this is the same, via Starlette.
+    return JSONResponse(await _publish(_gateway(request), request))
 
 
+@API.operation(
+    "POST", "/v1/conversations", summary="Create a conversation", status=201,
+    description="Owned by the caller; a `chat_id` is made up when none is given.",
+    body=NewConversation, reply=Conversation, errors=(400, 409, 413, 422, 503),
+)
 async def create_conversation(request: Request) -> Response:
     who = _principal(request)
     spec = await _body(request, NewConversation)
     chat_id = spec.chat_id or "c_" + secrets.token_hex(8)
     await _gateway(request).conversations.create(who, chat_id, spec.title)
     meta = await _owned(request, who, chat_id)
-    return JSONResponse(conversation_view(chat_id, meta), status_code=201)
+    return JSONResponse(_encode(Conversation.of(chat_id, meta)), status_code=201)
 
 
+@API.operation(
+    "GET", "/v1/conversations", summary="The caller's conversations, newest change first",
+    query=PageQuery, reply=ConversationPage, errors=(400, 503),
+)
 async def list_conversations(request: Request) -> Response:
     who = _principal(request)
     page = _query(request, PageQuery)
-    rows, next_cursor = await _gateway(request).store.conversations(
-        who.user_id, page.cursor, page.limit
-    )
-    items = [conversation_view(chat_id, meta) for chat_id, meta in rows]
-    return JSONResponse({"conversations": items, "next_cursor": next_cursor})
+    cursor = page.cursor if isinstance(page.cursor, int) else None
+    rows, next_cursor = await _gateway(request).store.conversations(who.user_id, cursor,
+                                                                    page.limit)
+    items = [Conversation.of(chat_id, meta) for chat_id, meta in rows]
+    return JSONResponse(_encode(ConversationPage(items, next_cursor)))
 
 
+@API.operation(
+    "GET", "/v1/conversations/{chat_id}", summary="A conversation (owner or service)",
+    reply=Conversation, errors=(400, 403, 404, 503),
+)
 async def get_conversation(request: Request) -> Response:
     chat_id = _chat_id(request)
     meta = await _owned(request, _principal(request), chat_id)
-    return JSONResponse(conversation_view(chat_id, meta))
+    return JSONResponse(_encode(Conversation.of(chat_id, meta)))
 
 
+@API.operation(
+    "PATCH", "/v1/conversations/{chat_id}", summary="Rename a conversation (owner or service)",
+    description="Emits a `title` event with `source: user`. The title is trimmed and its "
+    "runs of whitespace collapsed.",
+    body=Rename, reply=Conversation, errors=(400, 403, 404, 413, 422, 503),
+)
 async def rename_conversation(request: Request) -> Response:
     who, chat_id = _principal(request), _chat_id(request)
     spec = await _body(request, Rename)
     await _owned(request, who, chat_id)
     await _gateway(request).conversations.rename(who, chat_id, spec.title)
-    return JSONResponse(conversation_view(chat_id, await _owned(request, who, chat_id)))
+    return JSONResponse(_encode(Conversation.of(chat_id, await _owned(request, who, chat_id))))
 
 
+@API.operation(
+    "DELETE", "/v1/conversations/{chat_id}", summary="Delete a conversation (owner or service)",
+    description="Emits `deleted`; the history is gone.",
+    status=204, errors=(400, 403, 404, 503),
+)
 async def delete_conversation(request: Request) -> Response:
     who, chat_id = _principal(request), _chat_id(request)
     await _owned(request, who, chat_id)
@@ -275,99 +443,138 @@ async def delete_conversation(request: Request) -> Response:
     return Response(status_code=204)
 
 
+@API.operation(
+    "GET", "/v1/conversations/{chat_id}/events", summary="History (owner or service)",
+    description="Durable events with seq > `after`, oldest first: with `view=active` (the "
+    "default) those of the active path and the conversation itself, and its `forks`; with "
+    "`view=all` every branch's. A page may hold fewer than `limit`: continue from "
+    "`next_after` while it is not null.",
+    query=HistoryQuery, reply=HistoryPage, errors=(400, 403, 404, 503),
+)
 async def history(request: Request) -> Response:
-    """The active path's events (and its forks), or with ``view=all`` every event."""
     who, chat_id = _principal(request), _chat_id(request)
     query = _query(request, HistoryQuery)
     await _owned(request, who, chat_id)
     store = _gateway(request).store
-    forks: dict[str, Any] | None = None
+    forks: dict[str, Fork] | UnsetType = UNSET
     if query.view == "all":
         page = await store.read(chat_id, query.after, query.limit)
-        meta, events = page.meta, [f for _, f in page.frames]
+        meta, frames = page.meta, [frame for _, frame in page.frames]
         scanned = page.frames[-1][0] if page.frames else query.after
     else:
         path = await store.active_path(chat_id, query.after, query.limit)
         meta = path.meta if path is not None else None
-        events, scanned = (path.events, path.scanned) if path is not None else ([], 0)
-        forks = {node: msgspec.structs.asdict(fork)
-                 for node, fork in path.forks.items()} if path is not None else {}
+        frames, scanned = (path.events, path.scanned) if path is not None else ([], 0)
+        forks = {node: Fork(f.siblings, f.index)
+                 for node, f in path.forks.items()} if path is not None else {}
     if meta is None:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
-    next_after = scanned if events and scanned < meta.seq else None
-    fields: dict[str, Any] = {"chat_id": chat_id, "epoch": meta.epoch, "last_seq": meta.seq,
-                              "next_after": next_after, "head": meta.head}
-    if forks is not None:
-        fields["forks"] = forks
-    # The stored frames are already JSON: splice them in rather than re-encoding.
-    head = _encode(fields)
-    return JSONResponse(head[:-1] + b',"events":[' + b",".join(events) + b"]}")
+    next_after = scanned if frames and scanned < meta.seq else None
+    # The stored frames are EventFrame JSON already: spliced in as they are, not re-encoded.
+    events = cast("list[EventFrame]", [msgspec.Raw(frame) for frame in frames])
+    return JSONResponse(_encode(HistoryPage(chat_id, meta.epoch, meta.seq, next_after,
+                                            meta.head, events, forks)))
 
 
+@API.operation(
+    "GET", "/v1/conversations/{chat_id}/tree", summary="The conversation tree (owner or service)",
+    description="Every node (user messages and turns), the head, the first messages, and the "
+    "leaf each fork was left at (where a `switch` to it goes).",
+    reply=TreeView, errors=(400, 403, 404, 503),
+)
 async def tree(request: Request) -> Response:
-    """Every node of the conversation tree, the head, and where each fork was last."""
     who, chat_id = _principal(request), _chat_id(request)
     await _owned(request, who, chat_id)
     found = await _gateway(request).store.tree(chat_id)
     if found is None:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
-    forks = [{"node_id": None, "leaf": found.leaf(found.last_root)}] if (
+    forks = [ForkLeaf(None, found.leaf(found.last_root))] if (
         len(found.roots) > 1 and found.last_root) else []
-    forks += [{"node_id": n.id, "leaf": found.leaf(n.id)} for n in found.nodes
-              if len(n.children) > 1]
-    return JSONResponse(_encode({
-        "chat_id": chat_id, "head": found.head, "roots": found.roots, "forks": forks,
-        "nodes": [{"id": n.id, "kind": n.kind, "parent_id": n.parent_id, "seq": n.seq,
-                   "preview": n.preview, "children": n.children} for n in found.nodes]}))
+    forks += [ForkLeaf(n.id, found.leaf(n.id)) for n in found.nodes if len(n.children) > 1]
+    nodes = [TreeNodeView(n.id, "user" if n.kind == "user" else "turn", n.parent_id, n.seq,
+                          n.preview, n.children) for n in found.nodes]
+    return JSONResponse(_encode(TreeView(chat_id, found.head, found.roots, forks, nodes)))
 
 
-async def _tree_op(request: Request, kind: str) -> Response:
-    """``POST /v1/conversations/{chat_id}/<op>``: the WebSocket frame's HTTP twin; the
-    reply is the same ``ack``."""
+_TREE_ERRORS = (400, 403, 404, 409, 413, 422, 503)
+
+
+@API.operation(
+    "POST", "/v1/conversations/{chat_id}/retry", summary="Retry the head's answer",
+    description="A new turn answers the head turn's message, beside it; the head moves to "
+    "it. The reply is the WebSocket `ack`. protocol.md, \"Tree operations\".",
+    body=TreeOpBody, reply=p.Ack, errors=_TREE_ERRORS,
+)
+async def retry(request: Request) -> Response:
     who, chat_id = _principal(request), _chat_id(request)
-    convs = _gateway(request).conversations
-    ack: p.Ack
-    if kind == "edit":
-        edit = await _body(request, EditBody)
-        if not edit.msg_id:
-            raise Rejected("unprocessable", "Object missing required field `msg_id`")
-        ack = await convs.edit(who, p.Edit(chat_id, edit.msg_id, edit.text, edit.client_msg_id,
-                                           edit.expected_head, edit.cancel))
-    elif kind == "switch":
-        switch = await _body(request, SwitchBody)
-        if not switch.node_id:
-            raise Rejected("unprocessable", "Object missing required field `node_id`")
-        ack = await convs.switch(who, p.Switch(chat_id, switch.node_id, switch.expected_head,
-                                               switch.cancel))
-    else:
-        body = await _body(request, TreeOpBody, empty_ok=True)
-        if kind == "retry":
-            ack = await convs.retry(who, p.Retry(chat_id, body.expected_head, body.cancel))
-        else:
-            ack = await convs.undo(who, p.Undo(chat_id, body.expected_head, body.cancel))
+    body = await _body(request, TreeOpBody, empty_ok=True)
+    ack = await _gateway(request).conversations.retry(
+        who, p.Retry(chat_id, body.expected_head, body.cancel))
     return JSONResponse(_encode(ack))
 
 
-async def retry(request: Request) -> Response:
-    return await _tree_op(request, "retry")
-
-
+@API.operation(
+    "POST", "/v1/conversations/{chat_id}/edit", summary="Edit a message on the active path",
+    description="A new version of `msg_id` beside it, and its turn; the head moves there.",
+    body=EditBody, reply=p.Ack, errors=_TREE_ERRORS,
+)
 async def edit(request: Request) -> Response:
-    return await _tree_op(request, "edit")
+    who, chat_id = _principal(request), _chat_id(request)
+    body = await _body(request, EditBody)
+    ack = await _gateway(request).conversations.edit(who, p.Edit(
+        chat_id, body.msg_id, body.text, body.client_msg_id, body.expected_head, body.cancel))
+    return JSONResponse(_encode(ack))
 
 
+@API.operation(
+    "POST", "/v1/conversations/{chat_id}/undo", summary="Undo the last exchange",
+    description="The head moves before the active path's last user message; the reply "
+    "gives its text back. Nothing is deleted.",
+    body=TreeOpBody, reply=p.Ack, errors=_TREE_ERRORS,
+)
 async def undo(request: Request) -> Response:
-    return await _tree_op(request, "undo")
+    who, chat_id = _principal(request), _chat_id(request)
+    body = await _body(request, TreeOpBody, empty_ok=True)
+    ack = await _gateway(request).conversations.undo(
+        who, p.Undo(chat_id, body.expected_head, body.cancel))
+    return JSONResponse(_encode(ack))
 
 
+@API.operation(
+    "POST", "/v1/conversations/{chat_id}/switch", summary="Switch to another branch, or redo",
+    description="The head moves to the leaf last active below `node_id`.",
+    body=SwitchBody, reply=p.Ack, errors=_TREE_ERRORS,
+)
 async def switch(request: Request) -> Response:
-    return await _tree_op(request, "switch")
+    who, chat_id = _principal(request), _chat_id(request)
+    body = await _body(request, SwitchBody)
+    ack = await _gateway(request).conversations.switch(
+        who, p.Switch(chat_id, body.node_id, body.expected_head, body.cancel))
+    return JSONResponse(_encode(ack))
 
 
+@API.operation(
+    "GET", "/v1/conversations/{chat_id}/stream", summary="Server-Sent Events (owner or service)",
+    description="One conversation's durable events and streamed answers as "
+    "`text/event-stream`, resumable with the `Last-Event-ID` header (which wins) or "
+    "`?last_event_id=`; the events and ids are described in protocol.md, "
+    "\"Server-Sent Events\". Refusals come before the stream.",
+    query=StreamQuery, reply=str, media_type=EVENT_STREAM, errors=(400, 403, 404, 503),
+)
+async def stream(request: Request) -> Response:
+    return await sse.endpoint(request)
+
+
+@API.operation("GET", "/healthz", summary="The process is alive", auth=False, reply=Health)
 async def healthz(request: Request) -> Response:
-    return JSONResponse({"status": "ok"})
+    return JSONResponse(_encode(Health("ok")))
 
 
+@API.operation(
+    "GET", "/readyz", summary="Every dependency is up", auth=False, reply=Ready, errors=(503,),
+    description="Every Redis node answers (a cluster reports `ok`) and every pub/sub "
+    "connection is up; the 503 names each failing dependency.",
+)
 async def readyz(request: Request) -> Response:
     """Ready when every Redis node answers (and, on a cluster, the cluster is ok) and live
     frames arrive (every pub/sub connection is up). The body names each dependency."""
@@ -378,7 +585,29 @@ async def readyz(request: Request) -> Response:
     if failing:
         detail = "; ".join(f"{name}: {state}" for name, state in failing.items())
         return error_response(503, "backend_unavailable", detail)
-    return JSONResponse({"status": "ready", "dependencies": report})
+    return JSONResponse(_encode(Ready("ready", cast("dict[str, Literal['ok']]", report))))
+
+
+DESCRIPTION = """\
+The gateway's HTTP API. Tokens go in `Authorization: Bearer` (or `?token=`); `gateway token`
+prints one. Every error is `{"error": {"code", "message"}}`.
+
+Not described here (see protocol.md): the WebSocket endpoint `GET /v1/ws` (many
+conversations over one connection, resumable with `since`) and the events and ids of the
+Server-Sent Events stream.
+"""
+
+
+@API.operation("GET", "/v1/openapi.json", summary="This document", auth=False,
+               reply=dict[str, Any])
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(document())
+
+
+@functools.cache
+def document() -> bytes:
+    """The OpenAPI document, built once."""
+    return _encode(API.document(title="gateway", version=__version__, description=DESCRIPTION))
 
 
 # --- errors ---------------------------------------------------------------------------
@@ -386,13 +615,13 @@ async def readyz(request: Request) -> Response:
 
 async def on_rejected(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, Rejected)
-    return error_response(exc.http_status, exc.code, exc.message, exc.head)
+    return error_response(exc.http_status, exc.code, exc.message, head=exc.head)
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, code, str(exc.detail))
+    return error_response(exc.status_code, code, str(exc.detail), exc.headers)
 
 
 async def on_backend_error(request: Request, exc: Exception) -> Response:
@@ -406,19 +635,4 @@ exception_handlers = {
     ConnectionError: on_backend_error,
 }
 
-routes = [
-    Route("/healthz", healthz),
-    Route("/readyz", readyz),
-    Route("/v1/conversations", create_conversation, methods=["POST"]),
-    Route("/v1/conversations", list_conversations, methods=["GET"]),
-    Route("/v1/conversations/{chat_id}", get_conversation, methods=["GET"]),
-    Route("/v1/conversations/{chat_id}", rename_conversation, methods=["PATCH"]),
-    Route("/v1/conversations/{chat_id}", delete_conversation, methods=["DELETE"]),
-    Route("/v1/conversations/{chat_id}/events", history, methods=["GET"]),
-    Route("/v1/conversations/{chat_id}/tree", tree, methods=["GET"]),
-    Route("/v1/conversations/{chat_id}/retry", retry, methods=["POST"]),
-    Route("/v1/conversations/{chat_id}/edit", edit, methods=["POST"]),
-    Route("/v1/conversations/{chat_id}/undo", undo, methods=["POST"]),
-    Route("/v1/conversations/{chat_id}/switch", switch, methods=["POST"]),
-    Route("/v1/conversations/{chat_id}/stream", sse.endpoint),
-]
+routes = API.routes()

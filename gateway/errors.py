@@ -1,6 +1,9 @@
-"""The one error type for a request the gateway refuses, with its wire code."""
+"""The one error type for a request the gateway refuses, with its wire code, and the body
+of an HTTP error reply."""
 
 from __future__ import annotations
+
+import msgspec
 
 # Wire error code -> HTTP status, for the HTTP API. WebSocket clients get the code itself.
 HTTP_STATUS = {
@@ -41,3 +44,16 @@ class Rejected(Exception):
     @property
     def http_status(self) -> int:
         return HTTP_STATUS.get(self.code, 400)
+
+
+class ErrorDetail(msgspec.Struct, frozen=True, omit_defaults=True):
+    code: str
+    message: str
+    # A refused tree operation: the conversation's head now (null for none).
+    head: str | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """Every HTTP error reply: `{"error": {"code", "message"}}`."""
+
+    error: ErrorDetail

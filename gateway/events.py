@@ -16,7 +16,35 @@ from .errors import Rejected
 from .redis.records import OutEvent
 
 _encode = msgspec.json.encode
-TITLE_MAX = 200
+TITLE_MAX = p.TITLE_MAX
+
+# The event types whose data the gateway reads, and the shape it must have (to_out_event).
+TYPED_DATA: dict[str, type[msgspec.Struct]] = {
+    "turn_end": p.TurnEndData, "goal_state": p.GoalState, "title": p.TitleData,
+}
+
+
+def _typed_data_schema() -> dict[str, Any]:
+    """JSON Schema of an event object whose ``data`` must fit its ``type`` (TYPED_DATA)."""
+    _, components = msgspec.json.schema_components(TYPED_DATA.values())
+    rules = []
+    for kind, spec in TYPED_DATA.items():
+        data = components[spec.__name__]
+        then: dict[str, Any] = {"properties": {"data": data}}
+        if data.get("required"):
+            then["required"] = ["data"]
+        rules.append({"if": {"properties": {"type": {"const": kind}}, "required": ["type"]},
+                      "then": then})
+    return {"allOf": rules}
+
+
+# An event type an agent may publish: the gateway's own are refused (``reserved_type``).
+AgentEventType = Annotated[str, msgspec.Meta(
+    pattern=p.EVENT_TYPE_PATTERN,
+    extra_json_schema={"not": {"enum": sorted(p.GATEWAY_ONLY_TYPES)}},
+)]
+# Documents what to_out_event checks of an event object, beyond its fields' types.
+TYPED_EVENT = msgspec.Meta(extra_json_schema=_typed_data_schema())
 
 
 def now_ms() -> int:
@@ -26,7 +54,7 @@ def now_ms() -> int:
 class PublishEvent(msgspec.Struct, frozen=True):
     """One event as an agent or service publishes it."""
 
-    type: p.EventType
+    type: AgentEventType
     data: dict[str, Any] = {}
     durable: bool = True
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
@@ -35,8 +63,12 @@ class PublishEvent(msgspec.Struct, frozen=True):
     attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
 
+EventList = Annotated[list[Annotated[PublishEvent, TYPED_EVENT]],
+                     msgspec.Meta(min_length=1, max_length=500)]
+
+
 class PublishBatch(msgspec.Struct, frozen=True):
-    events: Annotated[list[PublishEvent], msgspec.Meta(min_length=1, max_length=500)]
+    events: EventList
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
 
 
@@ -52,22 +84,22 @@ def to_out_event(event: PublishEvent) -> OutEvent:
     kind = event.type
     if kind in p.GATEWAY_ONLY_TYPES:
         raise Rejected("reserved_type", f"event type {kind!r} is reserved for the gateway")
-    try:
-        if kind == "turn_end":
-            end = msgspec.convert(event.data, p.TurnEndData)
-            body = _encode({"reason": end.reason, "usage": end.usage})
-            return OutEvent(type=kind, data=body, turn_id=end.turn_id or "")
-        if kind == "goal_state":
-            goal = msgspec.convert(event.data, p.GoalState)
-            if goal.updated_at is None:
-                goal.updated_at = now_ms()
-            return OutEvent(type=kind, data=_encode(goal))
-        if kind == "title":
-            title = msgspec.convert(event.data, p.TitleData)
-            return OutEvent(type=kind, data=clean_title(title.title).encode(),
-                            title_source=title.source)
-    except msgspec.ValidationError as exc:
-        raise Rejected("invalid_request", f"{kind}: {exc}") from None
+    spec = TYPED_DATA.get(kind)
+    if spec is not None:
+        try:
+            typed = msgspec.convert(event.data, spec)
+        except msgspec.ValidationError as exc:
+            raise Rejected("invalid_request", f"{kind}: {exc}") from None
+        if isinstance(typed, p.TurnEndData):
+            body = _encode({"reason": typed.reason, "usage": typed.usage})
+            return OutEvent(type=kind, data=body, turn_id=typed.turn_id or "")
+        if isinstance(typed, p.GoalState):
+            if typed.updated_at is None:
+                typed.updated_at = now_ms()
+            return OutEvent(type=kind, data=_encode(typed))
+        assert isinstance(typed, p.TitleData)
+        return OutEvent(type=kind, data=clean_title(typed.title).encode(),
+                        title_source=typed.source)
     # A streamed delta names its attempt, and so may its commit (`message` closing the
     # `delta` stream...); a commit without text takes the stream's text.
     return OutEvent(type=kind, data=_encode(event.data), durable=event.durable,

@@ -21,7 +21,18 @@ ChatId = Annotated[str, msgspec.Meta(pattern=CHAT_ID_PATTERN)]
 EventType = Annotated[str, msgspec.Meta(pattern=EVENT_TYPE_PATTERN)]
 ClientMsgId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 RequestId = Annotated[str, msgspec.Meta(max_length=128)] | Annotated[int, msgspec.Meta(ge=0)]
-Seq = Annotated[int, msgspec.Meta(ge=0)]
+# Seqs are counted by Lua (doubles): none passes 2**53 - 1, which JSON readers (JavaScript's
+# too) hold exactly. A larger one is refused, not sent to Redis (whose stream ids end at
+# 2**64 - 1).
+MAX_SEQ = 2**53 - 1
+Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
+
+TITLE_MAX = 200
+# Whitespace as str.split() sees it (titles are trimmed and collapsed with it), spelled out
+# so that every regex dialect reading the schema (msgspec's, a JSON Schema validator's)
+# means the same set: a title must hold something else.
+_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+Title = Annotated[str, msgspec.Meta(min_length=1, max_length=TITLE_MAX, pattern=f"[^{_SPACE}]")]
 NodeId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 # The head a tree operation expects: absent for any, null for none (an empty conversation).
 ExpectedHead = NodeId | None | msgspec.UnsetType
@@ -233,7 +244,7 @@ class TurnEndData(msgspec.Struct):
 
 
 class TitleData(msgspec.Struct):
-    title: str
+    title: Title
     source: Annotated[str, msgspec.Meta(max_length=32)] = "agent"
 
 

@@ -125,6 +125,21 @@ async def test_unknown_fields_are_ignored(gateway: Any, user: str, chat_id: str)
         await ws.wait_for(lambda f: f["type"] == "pong" and f["id"] == "p")
 
 
+async def test_a_since_past_the_largest_seq_is_refused(gateway: Any, user: str,
+                                                       chat_id: str) -> None:
+    """A seq no conversation can reach used to go to Redis as a stream id, which it refused:
+    the session closed with 1013 (backend unavailable), and the client's resume met it again."""
+    epoch = (await create(gateway, user, chat_id))["epoch"]
+    async with connect(gateway.url(user)) as ws:
+        for seq in (2**53, 2**64, 2**70):
+            await ws.send({"type": "subscribe", "chat_id": chat_id, "id": str(seq),
+                           "since": {"seq": seq, "epoch": epoch}})
+            err = await ws.expect("error", code="invalid_frame", id=str(seq), chat_id=chat_id)
+            assert "$.since.seq" in err["message"], err
+        sub = await ws.subscribe(chat_id, since={"seq": 2**53 - 1, "epoch": epoch}, id="max")
+        assert sub["recovered"] is False and sub["seq"] == 0  # ahead of the log: a reset
+
+
 async def test_ping_gets_pong_with_id_and_timestamp(gateway: Any, user: str) -> None:
     async with connect(gateway.url(user)) as ws:
         for req_id in ("abc", 0, 12345):
@@ -286,7 +301,7 @@ async def test_http_path_and_query_validation(gateway: Any, user: str, chat_id: 
         error_of(await http.get("/v1/conversations?limit=0", headers=headers),
                  400, "invalid_request")
         error_of(await http.patch(f"/v1/conversations/{chat_id}", json={"title": "   "},
-                                  headers=headers), 400, "invalid_request")
+                                  headers=headers), 422, "unprocessable")
         error_of(await http.patch(f"/v1/conversations/{chat_id}", json={"name": "x"},
                                   headers=headers), 422, "unprocessable")
         error_of(await http.post("/v1/conversations", json={"chat_id": "no spaces!"},

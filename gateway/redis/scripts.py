@@ -180,7 +180,7 @@ class RotateScript:
 
 class _PathReply(msgspec.Struct, frozen=True):
     meta: dict[str, str] | None = None
-    scanned: int = 0
+    scanned: str = "0"  # a string: cjson would round a large number
     forks: dict[str, Fork] = {}
     events: list[msgspec.Raw] = []
 
@@ -201,7 +201,7 @@ class HistoryScript:
         meta = Meta.from_fields(r.meta) if r.meta is not None else None
         if meta is None:
             return None
-        return PathPage(meta, [bytes(e) for e in r.events], r.scanned, r.forks)
+        return PathPage(meta, [bytes(e) for e in r.events], int(r.scanned), r.forks)
 
 
 class _NodeRecord(msgspec.Struct, frozen=True):

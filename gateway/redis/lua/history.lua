@@ -6,7 +6,7 @@
 -- ARGV[1] seq to read after, ARGV[2] most events to return, ARGV[3] the node the path ends
 -- at ("" = the head; an agent reads the path to the message its turn answers)
 --
--- Replies {"meta", "scanned" (the last seq looked at), "forks": {node id: {"siblings",
+-- Replies {"meta", "scanned" (the last seq looked at, as a string), "forks": {node id: {"siblings",
 -- "index"}} (left out when none), "events": [frame, ...]}, or {} when the conversation
 -- does not exist. Events stored before the tree (no node field) count as the
 -- conversation's own.
@@ -32,9 +32,11 @@ for _, id in ipairs(path) do
   end
 end
 
+-- Seqs are formatted whole: Lua would print a large one in exponent form.
+local function whole(n) return string.format('%.0f', n) end
 local events, scanned = {}, after
 while #events < limit and scanned < tonumber(m.seq) do
-  local batch = redis.call('XRANGE', log, '(' .. scanned .. '-0', '+', 'COUNT', math.max(limit, 100))
+  local batch = redis.call('XRANGE', log, '(' .. whole(scanned) .. '-0', '+', 'COUNT', math.max(limit, 100))
   if #batch == 0 then break end
   for _, entry in ipairs(batch) do
     local fields, node = entry[2], ''
@@ -49,7 +51,7 @@ while #events < limit and scanned < tonumber(m.seq) do
   end
 end
 
-local reply = {meta = m, scanned = scanned}
+local reply = {meta = m, scanned = whole(scanned)}
 if any then reply.forks = forks end
 local json = cjson.encode(reply)
 if #events == 0 then return json end
