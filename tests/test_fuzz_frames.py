@@ -382,6 +382,15 @@ class Harness:
                 raise exc.exceptions[0] from None
             raise
 
+    async def run_fresh(self, i: int, wires: list[ff.Wire]) -> None:
+        """``wires`` on connection ``i``, opened for them and closed after."""
+        try:
+            await self._run_one(i, wires)
+        finally:
+            conn, self.conns[i] = self.conns[i], None
+            if conn is not None and conn.close_code is None:
+                await conn.close()
+
     async def _run_one(self, i: int, wires: list[ff.Wire]) -> None:
         queue = deque(wires)
         while queue:
@@ -599,6 +608,54 @@ def test_hostile_frames_long_run(loop: asyncio.AbstractEventLoop, fuzzed_gateway
     seed_value = int(LONG_SEED) if LONG_SEED else random.randrange(2**32)
     print(f"GATEWAY_FUZZ_SEED={seed_value} replays this run")
     fuzz_live(loop, fuzzed_gateway, LONG_FRAMES, seed_value)
+
+
+def scripted(binary: bool, limits: dict[str, Any]) -> list[list[ff.Wire]]:
+    """Batches that must close with each documented code at the default limits."""
+    def wire(frame: Any, expect: ff.Expect, label: str, text: bool | None = None) -> ff.Wire:
+        data = ff.encode(frame, binary)
+        return ff.Wire(data, not binary if text is None else text, expect, label)
+
+    ping = ff.Expect.of(ff.VALID, "ping")
+    flood = [wire({"type": "ping", "id": i}, ping, "flood")
+             for i in range(3 * limits["rate_burst"])]
+    bad_run = [wire({"type": "dance"}, ff.Expect.of(ff.UNKNOWN, None), "bad")
+               for _ in range(limits["max_bad_frames"] + 5)]
+    big = wire({"type": "ping", "pad": "x" * limits["max_frame_bytes"]}, ff.closes(1009), "big")
+    not_utf8 = ff.Wire(b'{"type":"ping","id":"\xff"}', True, ff.closes(1007), "not UTF-8")
+    return [flood, bad_run, [big], [not_utf8]]
+
+
+def test_hostile_frames_at_default_limits_close_as_documented(
+    loop: asyncio.AbstractEventLoop, gateway: Any
+) -> None:
+    """The documented closes, at the defaults: 4004 after 20 invalid frames in a row, 4029
+    after a burst's worth of rate-limited ones, 1009, 1007; a fresh connection per round."""
+    user = "fz" + uuid.uuid4().hex[:10]
+    chat, theirs = "fz-" + uuid.uuid4().hex[:8], "fz-theirs-" + uuid.uuid4().hex[:8]
+    run(loop, create(gateway, user, chat))
+    run(loop, create(gateway, "someone-else", theirs))
+    limits = {"max_frame_bytes": 65536, "max_text_bytes": 32768, "max_bad_frames": 20,
+              "rate_burst": 100}
+    harness = Harness(gateway, user, limits, ff.Targets((chat,), (theirs,)), (False, True))
+    seen = dict(CLOSES)
+    for i, binary in enumerate(harness.codecs):
+        for batch in scripted(binary, limits):
+            run(loop, harness.run_fresh(i, batch))
+    closed = {code: CLOSES.get(code, 0) - seen.get(code, 0) for code in (4004, 4029, 1009, 1007)}
+    assert all(n >= len(harness.codecs) for n in closed.values()), closed
+
+    # Generated rounds: each on fresh connections, so a round starts with a full bucket.
+    @settings(max_examples=20, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(harness.batches())
+    def example(batches: tuple[list[ff.Wire], ...]) -> None:
+        for i, wires in enumerate(batches):
+            loop.run_until_complete(harness.run_fresh(i, wires))
+
+    example()
+    run(loop, sessions_ended(gateway, user, 32))
+    assert gateway.proc.poll() is None
 
 
 # --- what the fuzzer found, one frame each ----------------------------------------------
