@@ -156,7 +156,7 @@ class Conversations:
             if handoff is None and taken is not None and result.turn_id is not None:
                 handoff = Handoff(chat_id, result.turn_id, who.user_id, taken.text,
                                   taken.client_msg_id,
-                                  bytes(taken.data).decode() if taken.data else "")
+                                  _encode(taken.data).decode() if taken.data is not None else "")
             if handoff is not None:
                 first = next((s for s in result.seqs if s is not None), 0)
                 seq = taken.seq if taken is not None and op.kind == "retry" else first

@@ -13,7 +13,8 @@ import msgspec
 JSON_SUBPROTOCOL = "gateway.v1.json"
 MSGPACK_SUBPROTOCOL = "gateway.v1.msgpack"
 
-CHAT_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+# ``\Z``, not ``$``: Python's ``$`` also matches before a final newline.
+CHAT_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}\Z"
 EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_.]{0,63}$"
 CHAT_ID_RE = re.compile(CHAT_ID_PATTERN)
 
@@ -261,21 +262,35 @@ class Codec:
             self._decode = msgspec.msgpack.Decoder(ClientFrame).decode
             self._envelope = msgspec.msgpack.Decoder(Envelope).decode
             self.encode = msgspec.msgpack.Encoder().encode
+            self._other = msgspec.json.Encoder().encode
         else:
             self._decode = msgspec.json.Decoder(ClientFrame).decode
             self._envelope = msgspec.json.Decoder(Envelope).decode
             self.encode = msgspec.json.Encoder().encode
+            self._other = msgspec.msgpack.Encoder().encode
 
     def decode(self, data: bytes) -> ClientFrame:
         """Decode one client frame; raises ``msgspec.DecodeError`` with a readable message."""
-        frame: ClientFrame = self._decode(data)
+        try:
+            frame: ClientFrame = self._decode(data)
+        except RecursionError:
+            raise msgspec.ValidationError("the frame is nested too deeply") from None
+        except UnicodeDecodeError:  # msgspec checks a string's UTF-8 as it decodes it
+            raise msgspec.DecodeError("a string is not valid UTF-8") from None
+        if isinstance(frame, Message) and frame.data is not None:
+            # Stored once, then sent in both formats: refuse here what the other cannot
+            # carry (integers past 64 bits; MessagePack extensions, maps keyed by non-strings).
+            try:
+                self._other(frame.data)
+            except (TypeError, OverflowError) as exc:
+                raise msgspec.ValidationError(f"{exc} - at `$.data`") from None
         return frame
 
     def envelope(self, data: bytes) -> Envelope:
         try:
             envelope: Envelope = self._envelope(data)
             return envelope
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
             return Envelope()
 
 

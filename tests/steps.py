@@ -35,13 +35,16 @@ async def create(gw: Any, user: str, chat_id: str, title: str | None = None) -> 
 
 
 async def history_page(gw: Any, user: str, chat_id: str, *, after: int = 0, limit: int = 1000,
-                       role: str = "user", token: str | None = None) -> Frame:
-    """One page of ``chat_id``'s stored events as ``user`` reads it (with ``token`` if given,
-    instead of a fresh one): ``epoch``, ``last_seq``, ``events`` and ``next_after``."""
+                       role: str = "user", token: str | None = None,
+                       view: str = "all") -> Frame:
+    """One page of ``chat_id``'s stored events (every branch's; ``view="active"`` for the
+    active path's) as ``user`` reads it (with ``token`` if given, instead of a fresh one):
+    ``epoch``, ``last_seq``, ``events`` and ``next_after``."""
     headers = {"Authorization": f"Bearer {token}"} if token else gw.headers(user, role)
     async with httpx.AsyncClient(base_url=gw.http) as http:
         resp = await http.get(f"/v1/conversations/{chat_id}/events",
-                              params={"after": after, "limit": limit}, headers=headers)
+                              params={"after": after, "limit": limit, "view": view},
+                              headers=headers)
     assert resp.status_code == 200, resp.text
     page: Frame = resp.json()
     return page

@@ -7,6 +7,7 @@ put into a script's arguments, or read out of its reply, is :mod:`.scripts`'s bu
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -46,7 +47,7 @@ class TakenMessage(msgspec.Struct, frozen=True):
     seq: int
     text: str
     client_msg_id: str
-    data: msgspec.Raw | None = None
+    data: Any = None  # the message's own data object, if it had one
 
 
 class Published(msgspec.Struct, frozen=True):

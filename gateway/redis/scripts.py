@@ -25,6 +25,7 @@ from .records import (
     OutEvent,
     PathPage,
     Published,
+    TakenMessage,
     Tree,
     TreeNode,
     TreeOp,
@@ -80,6 +81,26 @@ def _op_args(op: TreeOp | None) -> list[str]:
             "1" if op.cancel else "0", op.node, op.by, op.msg_id]
 
 
+class _Taken(msgspec.Struct, frozen=True):
+    msg_id: str
+    seq: int
+    frame: str
+
+
+class _UserMessageData(msgspec.Struct, frozen=True):
+    text: str = ""
+    client_msg_id: str = ""
+    data: Any = None
+
+
+class _UserMessage(msgspec.Struct, frozen=True):
+    data: _UserMessageData = _UserMessageData()
+
+
+class _PublishReply(Published, frozen=True):
+    message: _Taken | None = None  # type: ignore[assignment]
+
+
 class PublishScript:
     """``publish.lua``: append a batch of events to one conversation."""
 
@@ -87,7 +108,8 @@ class PublishScript:
         self.script = load("tree.lua", "publish.lua")
         self._settings = settings
         self._types = ",".join(settings.stream_types)
-        self._decode = msgspec.json.Decoder(Published).decode
+        self._decode = msgspec.json.Decoder(_PublishReply).decode
+        self._message = msgspec.json.Decoder(_UserMessage).decode
         self._refusal = msgspec.json.Decoder(_Refusal).decode
 
     def call(self, chat_id: str, events: list[OutEvent], *, fresh: str, create_owner: str,
@@ -106,12 +128,17 @@ class PublishScript:
     def decode(self, reply: bytes) -> Published:
         """The result; raises :class:`Rejected` when the script refused the batch."""
         try:
-            result: Published = self._decode(reply)
-            return result
+            r = self._decode(reply)
         except msgspec.ValidationError:
             refusal = self._refusal(reply)
             error = refusal.error
             raise Rejected(error.code, error.message, error.head) from None
+        taken = None
+        if r.message is not None:
+            data = self._message(r.message.frame).data
+            taken = TakenMessage(r.message.msg_id, r.message.seq, data.text, data.client_msg_id,
+                                 data.data)
+        return Published(**{**msgspec.structs.asdict(r), "message": taken})
 
 
 class _ReadReply(msgspec.Struct, frozen=True):

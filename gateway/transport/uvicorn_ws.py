@@ -8,7 +8,8 @@ itself) and tells the app when the transport pauses, resumes or starts closing, 
 never writes past backpressure or into a closed socket.
 
 It also keeps bearer tokens out of the logs: uvicorn logs every accepted WebSocket with its
-query string, and browsers can only send the token there.
+query string, and browsers can only send the token there; and it logs a client's text frame
+that is not UTF-8 as one line at INFO, not as an error with a traceback.
 
 This touches uvicorn internals (``transport``, ``writable``, ``close_sent``, ``scope`` and
 the hooks below). :func:`check_compatible` verifies them at start-up and the test suite
@@ -38,6 +39,21 @@ class TransportListener(Protocol):
     def on_closing(self) -> None: ...
 
 
+class ClientFaults(logging.Filter):
+    """A text frame that is not UTF-8 is the client's fault: uvicorn logs it as an error with
+    a traceback (a log flood any client can cause); one line at INFO says it instead, and
+    the client has its 1007."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == NOT_UTF8:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+            return logging.getLogger("uvicorn.error").isEnabledFor(logging.INFO)
+        return True
+
+
+NOT_UTF8 = "Invalid UTF-8 sequence received from client."
+
 # Every logger that can print a request line, an ASGI scope or a frame: uvicorn's own
 # (accepts, errors, access, and at trace level each scope) and the one websockets' protocol
 # is given (at debug level it prints the request line, headers and every frame).
@@ -62,6 +78,7 @@ def redacting_logger() -> logging.Logger:
     if _logger is None:
         _logger = logging.getLogger("uvicorn.error.gateway")
         _logger.addFilter(RedactSecrets())
+        _logger.addFilter(ClientFaults())
         # uvicorn compares ``self.logger.level`` against TRACE before formatting trace lines.
         _logger.setLevel(logging.getLogger("uvicorn.error").getEffectiveLevel())
     return _logger

@@ -54,8 +54,8 @@
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
 -- this batch started or cancelled), "created", "head" (the head after), "cancelled" (the
--- turn a cancel: true ended), "message" (retry and undo: {msg_id, seq, text,
--- client_msg_id, data} of the message answered again or taken back), "msg_id" (the user
+-- turn a cancel: true ended), "message" (retry and undo: {msg_id, seq, frame} of the
+-- message answered again or taken back), "msg_id" (the user
 -- message this batch added), "feed" (the feed
 -- frame to announce, when listed)} or {"error": {"code", "message", "head"}}. The feed lives in the owner's slot: the store
 -- publishes it after the script. Every durable event is stored as entry "<seq>-0".
@@ -169,12 +169,11 @@ local parent_of_message = head_before  -- where this batch's user_message goes
 local edit_of = nil
 local cancelled = nil
 local function shown(id) return id == '' and 'none' or id end
+-- A user message as the reply gives it back: its frame as stored (not decoded here: a
+-- Lua table cannot tell an empty array from an empty object).
 local function read_message(id, node)
   local entry = redis.call('XRANGE', log, node.s .. '-0', node.s .. '-0')[1]
-  local frame = entry and cjson.decode(entry[2][2]) or {data = {}}
-  local data = frame.data or {}
-  return {msg_id = id, seq = node.s, text = data.text or '', client_msg_id = data.client_msg_id or '',
-          data = data.data}
+  return {msg_id = id, seq = node.s, frame = entry and entry[2][2] or '{}'}
 end
 if op ~= '' then
   if expected ~= '' and (expected == '^' and '' or expected) ~= head_before then
