@@ -22,10 +22,12 @@ from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
 from gateway.redis.backend import Backend
 from gateway.redis.records import OutEvent
+from gateway.redis.scripts import PublishScript
 from gateway.redis.store import Store
 from gateway.sdk.client import GatewayClient, Recovery
 
 from .conftest import GatewayProcess, free_port
+from .faults import until
 from .steps import publish, send_message
 from .test_client import FAST, collect
 from .wsclient import Client, Frame, connect
@@ -139,8 +141,16 @@ async def test_a_gap_already_trimmed_from_the_stream_resyncs_with_recovered_fals
             assert [f["seq"] for f in await events_of(ws, chat_id, 1)] == [1]
             # The gateway's pub/sub connection drops; while it is away, far more events than
             # the stream keeps (trimming is approximate: Redis trims whole nodes of ~100).
-            assert client.client_kill_filter(_type="pubsub") >= 1
-            await publish(gw, chat_id, *({"type": "note", "data": {"i": i}} for i in range(400)))
+            # Both in one transaction: the reader cannot be back before the publish.
+            settings = Settings(redis_url=server.url, history_maxlen=10)
+            script, keys, args = PublishScript(settings).call(
+                chat_id, [OutEvent(type="note", data=b'{"i":%d}' % i) for i in range(400)],
+                fresh="unused", create_owner="", writer="", idempotency_key=None)
+            with client.pipeline(transaction=True) as pipe:
+                pipe.client_kill_filter(_type="pubsub")
+                pipe.eval(script.source, len(keys), *keys, *args)
+                killed, _ = pipe.execute()
+            assert killed >= 1
             told = await unasked_subscribed(ws, chat_id)
             assert told["recovered"] is False and told["replayed"] == 0
             assert told["epoch"] == first["epoch"] and told["seq"] == 401
@@ -210,8 +220,8 @@ async def test_an_acknowledged_event_survives_a_sigkill_of_the_embedded_server(
 async def test_the_embedded_server_is_restarted_when_it_dies(
         gateway_env: dict[str, str], tmp_path: Path, user: str, chat_id: str) -> None:
     """`gateway serve` with no GATEWAY_REDIS_URL supervises its own server: SIGKILLed, it
-    comes back on the same data; the gateway is unready meanwhile, then ready again, and a
-    client resumes with every acknowledged event, once."""
+    comes back on the same data, the gateway is ready again, and a client resumes with every
+    acknowledged event, once."""
     env = {k: v for k, v in gateway_env.items() if k != "GATEWAY_REDIS_URL"}
     env.update(GATEWAY_PORT=str(free_port()), GATEWAY_DATA_DIR=str(tmp_path),
                GATEWAY_DEMO_AGENT="0")
@@ -224,11 +234,17 @@ async def test_the_embedded_server_is_restarted_when_it_dies(
             server = psutil.Process(gw.proc.pid).children()  # type: ignore[union-attr]
             [valkey] = [p for p in server if "valkey" in p.name() or "redis" in p.name()]
             valkey.kill()
+            # The supervisor starts it again, on the same data (a new process). /readyz may
+            # or may not catch it down: on a busy machine the restart can beat any probe.
+            def restarted() -> bool:
+                children = psutil.Process(gw.proc.pid).children()  # type: ignore[union-attr]
+                return any(p.pid != valkey.pid and ("valkey" in p.name() or "redis" in p.name())
+                           for p in children)
+
+            assert await until(restarted, timeout=20), "the server was not started again"
             async with httpx.AsyncClient(base_url=gw.http) as http, asyncio.timeout(20):
-                while (await http.get("/readyz")).status_code == 200:
-                    pass  # each probe is a real request
                 while (await http.get("/readyz")).status_code != 200:
-                    pass
+                    pass  # each probe is a real request
             await publish(gw, chat_id, {"type": "note", "data": {"i": 3}})
         async with connect(gw.url(user)) as ws:
             resumed = await ws.subscribe(chat_id, since={"epoch": first["epoch"], "seq": 3})
