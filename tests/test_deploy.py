@@ -39,7 +39,7 @@ import uvicorn
 import yaml
 from starlette.routing import Route
 
-from gateway import api, cli, sse
+from gateway import api, cli
 from gateway.auth import TokenCache
 from gateway.config import Settings, load_settings
 from gateway.sdk.client import Event, GatewayClient
@@ -118,7 +118,7 @@ def route(path: str) -> Route:
 
 def sse_suffix() -> str:
     """The last path segment of the SSE route (``/v1/conversations/{chat_id}/stream``)."""
-    paths = [r.path for r in api.routes if isinstance(r, Route) and r.endpoint is sse.endpoint]
+    paths = [r.path for r in api.routes if isinstance(r, Route) and r.endpoint is api.stream]
     assert len(paths) == 1
     return "/" + paths[0].rsplit("/", 1)[1]
 

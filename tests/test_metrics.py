@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import redis
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.embedded import EmbeddedRedis
 from gateway.redis.agent_inbox import inbox_key, inbox_partition, partitions
 
 from .conftest import GatewayProcess, connect, free_port
@@ -78,10 +79,22 @@ def moved(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
     return after(name, **labels) - before(name, **labels)
 
 
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[str]:
+    """A Redis of the test's own: the inbox lag then counts its messages only (on the shared
+    one, other tests' messages and trims make the lag another number, or unknown)."""
+    server = EmbeddedRedis(tmp_path / "redis", persistent=False)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
 async def test_a_session_moves_the_counts_by_what_it_did(
-    start_gateway: Any, redis_url: str, user: str, chat_id: str, group: str
+    start_gateway: Any, own_redis: str, user: str, chat_id: str, group: str
 ) -> None:
-    gw = start_gateway(turn_timeout=600)
+    redis_url = own_redis
+    gw = start_gateway(turn_timeout=600, redis_url=redis_url)
     partition = inbox_partition(chat_id, 8)
     client = redis.Redis.from_url(redis_url)
     client.xgroup_create(inbox_key(partition), group, id="$", mkstream=True)
