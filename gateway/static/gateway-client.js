@@ -1248,8 +1248,8 @@ export class GatewayClient {
     const frame = { type: kind, chat_id: chatId, ...fields };
     const expected = options.expectedHead;
     if (expected === undefined) {
-      const tree = this._chats.get(chatId)?.tree;
-      if (tree?.headKnown) frame.expected_head = tree.head;
+      const tree = this._chat(chatId).tree; // kept for the ack's head, even if never subscribed
+      if (tree.headKnown) frame.expected_head = tree.head;
     } else if (expected !== false) {
       frame.expected_head = expected;
     }
@@ -1353,12 +1353,14 @@ export class GatewayClient {
     this._pending.delete(/** @type {RequestId} */ (frame.id));
     if (req.entry) {
       this._settle(req.entry);
-      if (HEAD_ACKS.has(req.entry.kind) && "head" in frame && typeof frame.seq === "number") {
-        // The head after the operation, as of its seq: the `head` event that moved it comes
-        // later (or never, to a client that is not subscribed).
-        const chat = this._chats.get(frame.chat_id);
-        const moved = chat?.tree.setHead(frame.head ?? null, frame.seq);
-        if (chat && moved) this._emit("head", { chatId: chat.id, ...moved });
+      const chat = this._chats.get(frame.chat_id);
+      if (chat && chat.server !== "live" && HEAD_ACKS.has(req.entry.kind) && "head" in frame
+          && typeof frame.seq === "number") {
+        // The head after the operation, as of its seq, for a chat this connection does not
+        // get live. A live one gets the `head` event, after the events that made its node:
+        // the tree never points at a node whose events are still on their way.
+        const moved = chat.tree.setHead(frame.head ?? null, frame.seq);
+        if (moved) this._emit("head", { chatId: chat.id, ...moved });
       }
       req.entry.resolve(frame);
     } else {

@@ -182,28 +182,33 @@ test("the tree operations' frames, acks, and a conflict", async (t) => {
   conn.push({ type: "ack", chat_id: "c1", id: req.id, seq: 10, client_msg_id: null, turn_id: "t2",
     duplicate: false, head: "t2" });
   assert.equal((await retry).turn_id, "t2");
-  assert.equal(client.head("c1"), "t2", "the ack's head, as of its seq");
-  // The head event behind it (seq 11) changes nothing more; an older one is ignored.
-  conn.push({ type: "head", chat_id: "c1", seq: 10, ts: 1, data: { head_id: "t2", prev_head_id: "t1", cause: "retry", by: "u1" } });
+  assert.equal(client.head("c1"), "t1", "a live chat's head moves by its head event, not the ack");
+  conn.push({ type: "turn_start", chat_id: "c1", seq: 10, ts: 1, node: "t2", data: { turn_id: "t2", started_at: 1, parent_id: "m1", retry_of: "t1" } },
+    { type: "head", chat_id: "c1", seq: 11, ts: 1, data: { head_id: "t2", prev_head_id: "t1", cause: "retry", by: "u1" } });
   await roundTrip(client);
   assert.deepEqual(heads, ["t1", "t2"]);
+  assert.equal(client.head("c1"), "t2");
 
   const edit = client.edit("c1", "m1", "better words", { clientMsgId: "m-e", cancel: true });
   const editReq = await conn.next("edit");
   assert.deepEqual(strip(editReq), { type: "edit", chat_id: "c1", msg_id: "m1", text: "better words",
     client_msg_id: "m-e", expected_head: "t2", cancel: true });
-  conn.push({ type: "ack", chat_id: "c1", id: editReq.id, seq: 11, client_msg_id: "m-e", turn_id: "t3",
+  const log = new Log("c1", 12);
+  conn.push(...log.message("m2", null, "t3", "t2", "m1"));
+  conn.push({ type: "ack", chat_id: "c1", id: editReq.id, seq: 12, client_msg_id: "m-e", turn_id: "t3",
     duplicate: false, head: "t3", msg_id: "m2" });
   assert.equal((await edit).msg_id, "m2");
+  assert.equal(client.head("c1"), "t3");
 
   const undo = client.undo("c1");
   const undoReq = await conn.next("undo");
   assert.equal(undoReq.expected_head, "t3");
-  conn.push({ type: "ack", chat_id: "c1", id: undoReq.id, seq: 14, client_msg_id: "m-e", turn_id: null,
+  conn.push(log.head("t2", "t3", "undo"));
+  conn.push({ type: "ack", chat_id: "c1", id: undoReq.id, seq: 15, client_msg_id: "m-e", turn_id: null,
     duplicate: false, head: "t2", msg_id: "m2", text: "better words" });
   const undone = await undo;
   assert.equal(undone.text, "better words", "undo gives the text back");
-  assert.equal(client.head("c1"), "t2");
+  assert.deepEqual(heads, ["t1", "t2", "t3", "t2"]);
 
   // Another device moved the head meanwhile: the switch expects t2 and is refused.
   const sw = client.switch("c1", "m2");
@@ -212,6 +217,16 @@ test("the tree operations' frames, acks, and a conflict", async (t) => {
   conn.push({ type: "error", code: "conflict", message: "the head moved", id: swReq.id, chat_id: "c1", head: "t9" });
   await assert.rejects(sw, (err) => err instanceof GatewayError && err.code === "conflict" && err.head === "t9");
   assert.equal(client.head("c1"), "t2", "a refusal does not move the head: the head event will");
+
+  // A chat this connection does not get live: the ack's head is all it hears.
+  const other = client.undo("c2");
+  const otherReq = await conn.next("undo");
+  assert.equal("expected_head" in otherReq, false, "no head known: none expected");
+  conn.push({ type: "ack", chat_id: "c2", id: otherReq.id, seq: 7, client_msg_id: "x", turn_id: null,
+    duplicate: false, head: "t5", msg_id: "m6", text: "hi" });
+  await other;
+  assert.equal(client.head("c2"), "t5");
+  assert.deepEqual(heads.at(-1), "t5");
 
   // expectedHead: false sends none; null expects an empty conversation.
   const unanswered = [client.retry("c1", { expectedHead: false }), client.undo("c1", { expectedHead: null })];
