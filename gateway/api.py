@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import msgspec
 from redis.exceptions import RedisError
@@ -13,8 +13,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from . import logs, sse
 from . import protocol as p
-from . import sse
 from .auth import Principal, check_access
 from .errors import Rejected
 from .events import PublishBatch, PublishEvent
@@ -35,12 +35,16 @@ class JSONResponse(Response):
         return content if isinstance(content, bytes) else _encode(content)
 
 
-def _error_body(code: str, message: str) -> bytes:
-    return _encode({"error": {"code": code, "message": message}})
+def _error_body(code: str, message: str, head: str | None = None) -> bytes:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if head is not None:  # a refused tree operation: the head now (null for none)
+        error["head"] = head or None
+    return _encode({"error": error})
 
 
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse(_error_body(code, message), status_code=status)
+def error_response(status: int, code: str, message: str,
+                   head: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(code, message, head), status_code=status)
 
 
 class NewConversation(msgspec.Struct, frozen=True):
@@ -83,6 +87,24 @@ class PublishBody(msgspec.Struct, frozen=True):
 class HistoryQuery(msgspec.Struct, frozen=True):
     after: Annotated[int, msgspec.Meta(ge=0)] = 0
     limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
+    view: Literal["active", "all"] = "active"  # the active path, or every branch
+
+
+class TreeOpBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST .../retry`` and ``.../undo``: the WebSocket frame's fields but type and id."""
+
+    expected_head: p.ExpectedHead = msgspec.UNSET
+    cancel: bool = False
+
+
+class EditBody(TreeOpBody, frozen=True):
+    msg_id: p.NodeId = ""
+    text: str = ""
+    client_msg_id: p.ClientMsgId | None = None
+
+
+class SwitchBody(TreeOpBody, frozen=True):
+    node_id: p.NodeId = ""
 
 
 def _gateway(request: Request) -> Gateway:
@@ -91,13 +113,16 @@ def _gateway(request: Request) -> Gateway:
 
 
 def _principal(request: Request) -> Principal:
-    return _gateway(request).authenticate(request)
+    who = _gateway(request).authenticate(request)
+    logs.bind(user_id=who.user_id)
+    return who
 
 
 def _chat_id(request: Request) -> str:
     chat_id: str = request.path_params["chat_id"]
     if not p.CHAT_ID_RE.match(chat_id):
         raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+    logs.about_chat(chat_id)
     return chat_id
 
 
@@ -108,8 +133,11 @@ def _query(request: Request, kind: type[T]) -> T:
         raise Rejected("invalid_request", f"query: {exc}") from None
 
 
-async def _body(request: Request, kind: type[T]) -> T:
+async def _body(request: Request, kind: type[T], empty_ok: bool = False) -> T:
+    """The body decoded as ``kind``; with ``empty_ok``, no body at all means ``{}``."""
     body = await _read_body(request)
+    if empty_ok and not body.strip():
+        body = b"{}"
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -149,6 +177,7 @@ def conversation_view(chat_id: str, meta: Meta) -> dict[str, Any]:
         "turn_id": meta.turn_id, "epoch": meta.epoch, "last_seq": meta.seq,
         "created_at": meta.created_at, "updated_at": meta.updated_at,
         "goal_state": msgspec.Raw(meta.goal) if meta.goal else None, "preview": meta.preview,
+        "head": meta.head,
     }
 
 
@@ -187,6 +216,7 @@ class PublishEndpoint:
         chat_id = request.scope["path"][len(CONVERSATIONS):-len(EVENTS)]
         if not p.CHAT_ID_RE.match(chat_id):
             raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+        logs.bind(user_id=who.user_id, chat_id=chat_id)
         batch = (await _body(request, PublishBody)).batch()
         result = await self.gateway.conversations.publish(
             who, chat_id, list(batch.events), batch.idempotency_key
@@ -246,19 +276,92 @@ async def delete_conversation(request: Request) -> Response:
 
 
 async def history(request: Request) -> Response:
+    """The active path's events (and its forks), or with ``view=all`` every event."""
     who, chat_id = _principal(request), _chat_id(request)
     query = _query(request, HistoryQuery)
     await _owned(request, who, chat_id)
-    page = await _gateway(request).store.read(chat_id, query.after, query.limit)
-    if page.meta is None:
+    store = _gateway(request).store
+    forks: dict[str, Any] | None = None
+    if query.view == "all":
+        page = await store.read(chat_id, query.after, query.limit)
+        meta, events = page.meta, [f for _, f in page.frames]
+        scanned = page.frames[-1][0] if page.frames else query.after
+    else:
+        path = await store.active_path(chat_id, query.after, query.limit)
+        meta = path.meta if path is not None else None
+        events, scanned = (path.events, path.scanned) if path is not None else ([], 0)
+        forks = {node: msgspec.structs.asdict(fork)
+                 for node, fork in path.forks.items()} if path is not None else {}
+    if meta is None:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
-    frames = page.frames
-    next_after = frames[-1][0] if frames and frames[-1][0] < page.meta.seq else None
+    next_after = scanned if events and scanned < meta.seq else None
+    fields: dict[str, Any] = {"chat_id": chat_id, "epoch": meta.epoch, "last_seq": meta.seq,
+                              "next_after": next_after, "head": meta.head}
+    if forks is not None:
+        fields["forks"] = forks
     # The stored frames are already JSON: splice them in rather than re-encoding.
-    head = _encode({"chat_id": chat_id, "epoch": page.meta.epoch, "last_seq": page.meta.seq,
-                    "next_after": next_after})
-    body = head[:-1] + b',"events":[' + b",".join(f for _, f in frames) + b"]}"
-    return JSONResponse(body)
+    head = _encode(fields)
+    return JSONResponse(head[:-1] + b',"events":[' + b",".join(events) + b"]}")
+
+
+async def tree(request: Request) -> Response:
+    """Every node of the conversation tree, the head, and where each fork was last."""
+    who, chat_id = _principal(request), _chat_id(request)
+    await _owned(request, who, chat_id)
+    found = await _gateway(request).store.tree(chat_id)
+    if found is None:
+        raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
+    forks = [{"node_id": None, "leaf": found.leaf(found.last_root)}] if (
+        len(found.roots) > 1 and found.last_root) else []
+    forks += [{"node_id": n.id, "leaf": found.leaf(n.id)} for n in found.nodes
+              if len(n.children) > 1]
+    return JSONResponse(_encode({
+        "chat_id": chat_id, "head": found.head, "roots": found.roots, "forks": forks,
+        "nodes": [{"id": n.id, "kind": n.kind, "parent_id": n.parent_id, "seq": n.seq,
+                   "preview": n.preview, "children": n.children} for n in found.nodes]}))
+
+
+async def _tree_op(request: Request, kind: str) -> Response:
+    """``POST /v1/conversations/{chat_id}/<op>``: the WebSocket frame's HTTP twin; the
+    reply is the same ``ack``."""
+    who, chat_id = _principal(request), _chat_id(request)
+    convs = _gateway(request).conversations
+    ack: p.Ack
+    if kind == "edit":
+        edit = await _body(request, EditBody)
+        if not edit.msg_id:
+            raise Rejected("unprocessable", "Object missing required field `msg_id`")
+        ack = await convs.edit(who, p.Edit(chat_id, edit.msg_id, edit.text, edit.client_msg_id,
+                                           edit.expected_head, edit.cancel))
+    elif kind == "switch":
+        switch = await _body(request, SwitchBody)
+        if not switch.node_id:
+            raise Rejected("unprocessable", "Object missing required field `node_id`")
+        ack = await convs.switch(who, p.Switch(chat_id, switch.node_id, switch.expected_head,
+                                               switch.cancel))
+    else:
+        body = await _body(request, TreeOpBody, empty_ok=True)
+        if kind == "retry":
+            ack = await convs.retry(who, p.Retry(chat_id, body.expected_head, body.cancel))
+        else:
+            ack = await convs.undo(who, p.Undo(chat_id, body.expected_head, body.cancel))
+    return JSONResponse(_encode(ack))
+
+
+async def retry(request: Request) -> Response:
+    return await _tree_op(request, "retry")
+
+
+async def edit(request: Request) -> Response:
+    return await _tree_op(request, "edit")
+
+
+async def undo(request: Request) -> Response:
+    return await _tree_op(request, "undo")
+
+
+async def switch(request: Request) -> Response:
+    return await _tree_op(request, "switch")
 
 
 async def healthz(request: Request) -> Response:
@@ -283,7 +386,7 @@ async def readyz(request: Request) -> Response:
 
 async def on_rejected(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, Rejected)
-    return error_response(exc.http_status, exc.code, exc.message)
+    return error_response(exc.http_status, exc.code, exc.message, exc.head)
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:
@@ -312,5 +415,10 @@ routes = [
     Route("/v1/conversations/{chat_id}", rename_conversation, methods=["PATCH"]),
     Route("/v1/conversations/{chat_id}", delete_conversation, methods=["DELETE"]),
     Route("/v1/conversations/{chat_id}/events", history, methods=["GET"]),
+    Route("/v1/conversations/{chat_id}/tree", tree, methods=["GET"]),
+    Route("/v1/conversations/{chat_id}/retry", retry, methods=["POST"]),
+    Route("/v1/conversations/{chat_id}/edit", edit, methods=["POST"]),
+    Route("/v1/conversations/{chat_id}/undo", undo, methods=["POST"]),
+    Route("/v1/conversations/{chat_id}/switch", switch, methods=["POST"]),
     Route("/v1/conversations/{chat_id}/stream", sse.endpoint),
 ]

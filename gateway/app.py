@@ -16,7 +16,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
-from . import api, web
+from . import api, scrape, web
 from .config import Settings, load_settings
 from .connect import SocketEndpoint
 from .runtime import Gateway
@@ -49,6 +49,8 @@ def create_app(settings: Settings | None = None) -> GatewayApp:
     settings = settings or load_settings()
     redact_request_logs()  # the server has configured its logging by now
     gateway = Gateway(settings)
+    exporter = scrape.Exporter(gateway)
+    gateway.companions.append(lambda _: exporter)  # started once the gateway is
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -60,7 +62,7 @@ def create_app(settings: Settings | None = None) -> GatewayApp:
 
     handlers: Any = api.exception_handlers
     app = Starlette(
-        routes=[*api.routes, *web.web_routes(dev=settings.dev)],
+        routes=[*api.routes, *scrape.routes(exporter), *web.web_routes(dev=settings.dev)],
         exception_handlers=handlers,
         lifespan=lifespan,
     )

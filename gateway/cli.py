@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from . import logs
 from .auth import Principal, issue_token
 from .config import ConfigError, Settings, data_path, load_settings
 
@@ -83,12 +84,14 @@ def create_app() -> GatewayApp:
 
 
 def _demo_agent(gateway: Gateway) -> Companion:
+    from .metrics import COUNTS
     from .sdk.agent import AgentWorker, stable_consumer
     from .sdk.demo_agent import handle
 
     # A stable name: restarted, this process resumes the turns it was running.
     worker = AgentWorker(gateway.backend.client, gateway.settings, handle,
                          consumer=stable_consumer(gateway.settings.port))
+    COUNTS.agents.append(worker.stats)  # its reclaims, in /metrics
     return _Stopping(worker, grace=3)
 
 
@@ -108,6 +111,7 @@ class _Stopping:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from . import scrape
     from .embedded import EmbeddedRedis
     from .transport.uvicorn_ws import GatewayWebSocketProtocol, check_compatible
 
@@ -137,6 +141,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # ``finally`` below that stops (and waits for) the embedded server. Exit cleanly instead.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     check_compatible()  # fail at start, not on the first connection, after a uvicorn upgrade
+    # Workers are processes of their own: their metrics meet in files (scrape.py).
+    made_dir = None
+    if args.workers > 1 or scrape.multiprocess_dir():
+        made_dir = scrape.prepare_multiprocess_dir()
+    metrics_dir = scrape.multiprocess_dir()
+    metrics_port = None
+    if metrics_dir is not None and settings.metrics_port:
+        metrics_port = scrape.MetricsPort(settings.host, settings.metrics_port,
+                                          scrape.multiprocess_registry(metrics_dir))
     try:
         uvicorn.run(
             "gateway.cli:create_app", factory=True, host=settings.host, port=settings.port,
@@ -144,10 +157,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws=GatewayWebSocketProtocol, ws_max_size=settings.max_frame_bytes,
             ws_ping_interval=settings.heartbeat, ws_ping_timeout=settings.heartbeat,
             ws_per_message_deflate=False, log_level=args.log_level, lifespan="on",
+            log_config=logs.uvicorn_config(settings.log_format, args.log_level),
             timeout_graceful_shutdown=5,
             access_log=False,  # query strings carry tokens (browsers cannot set headers)
         )
     finally:
+        if metrics_port is not None:
+            metrics_port.close()
+        scrape.remove_multiprocess_dir(made_dir)
         if embedded is not None:
             embedded.stop()
     return 0
@@ -238,13 +255,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    import logging
-
     from .sdk.agent import load_handler, serve
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = load_settings(redis_url=args.redis_url, data_dir=args.data_dir)
+    logs.configure(settings.log_format, args.log_level)
     try:
         handler = load_handler(args.handler)
     except (ImportError, AttributeError, ValueError) as exc:
@@ -277,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="overrides GATEWAY_REDIS_URL")
     serve.add_argument("--data-dir", help="overrides GATEWAY_DATA_DIR")
     serve.add_argument("--dev", action="store_true", help="print a token; serve the demo page")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", choices=logs.LEVELS)
     serve.set_defaults(func=cmd_serve)
 
     token = sub.add_parser("token", help="print a signed token")
@@ -314,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where a new group starts: 0 (all of the inbox) or $ (new only)")
     agent.add_argument("--redis-url", help="overrides GATEWAY_REDIS_URL")
     agent.add_argument("--data-dir", help="overrides GATEWAY_DATA_DIR")
-    agent.add_argument("--log-level", default="info")
+    agent.add_argument("--log-level", default="info", choices=logs.LEVELS)
     agent.set_defaults(func=cmd_agent)
     return parser
 

@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -22,6 +23,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     allowed_origins: tuple[str, ...] = ("*",)
     host: str = "127.0.0.1"
     port: int = 8000
+    metrics_port: int = 0  # serve /metrics on this port only (0: on the main port)
     data_dir: str = ".gateway"
     dev: bool = False  # dev mode: prints a token, serves the demo page
     demo_agent: bool = False  # run the demo agent inside the gateway (embedded default, dev)
@@ -59,6 +61,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_types: tuple[str, ...] = ("delta", "reasoning_delta")
     stream_max_bytes: int = 1 << 20  # text one stream may hold (stream_too_large past it)
     delta_window_ms: float = 25.0  # agent workers coalesce streamed pieces over this window
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (gateway.logs)
 
 
 _ENV_PREFIX = "GATEWAY_"
@@ -102,6 +105,9 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
                  "inbox_partitions", "stream_max_bytes", "redis_timeout", "wait_timeout_ms"):
         if not getattr(settings, name) > 0:  # NaN too
             raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
+    if not 0 <= settings.metrics_port <= 65535 or settings.metrics_port == settings.port:
+        raise ConfigError(f"{_ENV_PREFIX}METRICS_PORT must be a port other than "
+                          f"{_ENV_PREFIX}PORT, or 0")
     if settings.wait_replicas < 0:
         raise ConfigError(f"{_ENV_PREFIX}WAIT_REPLICAS must not be negative")
     for kind in settings.stream_types:

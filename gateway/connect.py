@@ -7,15 +7,21 @@ holds no wrapper it does not use.
 
 from __future__ import annotations
 
+import logging
+import secrets
 from typing import Any
 
 from starlette.datastructures import Headers, QueryParams
 
+from . import logs
 from . import protocol as p
 from .auth import AuthError, bearer
 from .closecodes import FORBIDDEN, TOO_MANY, UNAUTHORIZED
+from .metrics import COUNTS
 from .runtime import Gateway
 from .session import Receive, Send, Session
+
+log = logging.getLogger("gateway.connect")
 
 
 class SocketEndpoint:
@@ -29,10 +35,15 @@ class SocketEndpoint:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         gateway = self.gateway
+        # Named before the handshake, so that uvicorn's line for it carries the id too.
+        connection_id = secrets.token_hex(8)
+        logs.bind(connection_id=connection_id)
         await receive()  # websocket.connect
+        COUNTS.opened += 1
         headers = Headers(scope=scope)
         if not gateway.origin_allowed(headers.get("origin")):
             await send({"type": "websocket.close", "code": FORBIDDEN})  # HTTP 403
+            COUNTS.closed[FORBIDDEN] += 1
             return
         offered = scope.get("subprotocols") or []
         chosen = p.MSGPACK_SUBPROTOCOL if p.MSGPACK_SUBPROTOCOL in offered else (
@@ -42,20 +53,26 @@ class SocketEndpoint:
         try:
             principal = gateway.tokens.verify(bearer(headers.get("authorization"), query_token))
         except AuthError as exc:
+            log.info("token refused: %s", exc)
             await send({"type": "websocket.close", "code": UNAUTHORIZED,
                         "reason": str(exc)[:120]})
+            COUNTS.closed[UNAUTHORIZED] += 1
             return
+        logs.bind(user_id=principal.user_id)
         mine = gateway.sessions.setdefault(principal.user_id, set())
         if len(mine) >= gateway.settings.max_connections_per_user:
             await send({"type": "websocket.close", "code": TOO_MANY,
                         "reason": "too many connections"})
+            COUNTS.closed[TOO_MANY] += 1
             return
         session = Session(gateway, principal, self.codecs[chosen or p.JSON_SUBPROTOCOL],
-                          scope, receive, send)
+                          scope, receive, send, connection_id=connection_id)
         mine.add(session)
+        COUNTS.connections += 1
         try:
             await session.run()
         finally:
+            COUNTS.connections -= 1
             mine.discard(session)
             if not mine:
                 gateway.sessions.pop(principal.user_id, None)

@@ -14,6 +14,7 @@ import secrets
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 from redis.exceptions import RedisError
 
 from . import protocol as p
@@ -21,8 +22,9 @@ from .auth import Principal
 from .config import Settings
 from .errors import Rejected
 from .events import PublishEvent, clean_title, now_ms, to_out_event
+from .metrics import COUNTS
 from .redis.agent_inbox import AgentInbox, Handoff
-from .redis.records import Meta, OutEvent, Published
+from .redis.records import Meta, OutEvent, Published, TreeOp
 from .redis.store import NotReplicated, Store
 
 log = logging.getLogger("gateway.conversations")
@@ -30,6 +32,14 @@ log = logging.getLogger("gateway.conversations")
 _encode = msgspec.json.encode
 PREVIEW_CHARS = 120
 SEQ_SCAN = 500  # latest events searched for a stranded turn's turn_start
+
+
+def _new_msg_id() -> str:
+    return "m_" + secrets.token_hex(8)
+
+
+def _new_turn_id() -> str:
+    return "t_" + secrets.token_hex(8)
 
 
 class Conversations:
@@ -41,49 +51,137 @@ class Conversations:
         self.inbox = AgentInbox(store)
 
     async def post_message(self, who: Principal, req: p.Message) -> p.Ack:
-        """Append the user's message and start a turn; a retried ``client_msg_id`` is a no-op."""
-        if len(req.text.encode()) > self.settings.max_text_bytes:
-            raise Rejected("text_too_long", f"text is over {self.settings.max_text_bytes} bytes")
-        turn_id = "t_" + secrets.token_hex(8)
-        data: dict[str, Any] = {"text": req.text, "client_msg_id": req.client_msg_id,
-                                "user_id": who.user_id}
-        if req.data is not None:
-            data["data"] = req.data
-        preview = " ".join(req.text.split())[:PREVIEW_CHARS]
+        """Append the user's message under the head and start its turn; a retried
+        ``client_msg_id`` is a no-op."""
+        msg_id, turn_id = _new_msg_id(), _new_turn_id()
+        events = self._message_events(who, req.text, req.client_msg_id, req.data, turn_id)
         handoff = Handoff(req.chat_id, turn_id, who.user_id, req.text, req.client_msg_id,
                           _encode(req.data).decode() if req.data is not None else "")
-        await self.inbox.stage(handoff)  # first: from here on, a crash cannot lose the turn
+        op = TreeOp(kind="message", by=who.user_id, expected_head=req.expected_head,
+                    cancel=req.cancel, msg_id=msg_id)
+        result = await self._start_turn(
+            who, req.chat_id, events, op, handoff,
+            create_owner=who.user_id if self.settings.auto_create else "",
+            idempotency_key=f"m:{who.user_id}:{req.client_msg_id}")
+        return p.Ack(req.chat_id, result.seqs[0] if result.seqs else None, req.client_msg_id,
+                     result.turn_id, result.duplicate, req.id, head=result.head or None,
+                     msg_id=result.msg_id or UNSET)
+
+    async def edit(self, who: Principal, req: p.Edit) -> p.Ack:
+        """A new version of a message on the active path, beside it, and its turn."""
+        msg_id, turn_id = _new_msg_id(), _new_turn_id()
+        client_msg_id = req.client_msg_id or msg_id
+        events = self._message_events(who, req.text, client_msg_id, None, turn_id)
+        handoff = Handoff(req.chat_id, turn_id, who.user_id, req.text, client_msg_id)
+        op = TreeOp(kind="edit", by=who.user_id, expected_head=req.expected_head,
+                    cancel=req.cancel, node=req.msg_id, msg_id=msg_id)
+        result = await self._start_turn(who, req.chat_id, events, op, handoff)
+        return p.Ack(req.chat_id, result.seqs[0], client_msg_id, result.turn_id, False,
+                     req.id, head=result.head or None, msg_id=msg_id)
+
+    async def retry(self, who: Principal, req: p.Retry) -> p.Ack:
+        """A new answer to the head turn's message, beside it."""
+        op = TreeOp(kind="retry", by=who.user_id, expected_head=req.expected_head,
+                    cancel=req.cancel)
+        turn_id = _new_turn_id()
+        result = await self._start_turn(
+            who, req.chat_id, [OutEvent(type="turn_start", data=b"{}", turn_id=turn_id)], op,
+            None)
+        return p.Ack(req.chat_id, result.seqs[0], None, result.turn_id, False, req.id,
+                     head=result.head or None)
+
+    async def undo(self, who: Principal, req: p.Undo) -> p.Ack:
+        """The head back before the path's last user message; its text comes back."""
+        op = TreeOp(kind="undo", by=who.user_id, expected_head=req.expected_head,
+                    cancel=req.cancel)
+        result = await self._move_head(who, req.chat_id, op)
+        taken = result.message
+        return p.Ack(req.chat_id, result.last_seq, taken.client_msg_id if taken else None, None,
+                     False, req.id, head=result.head or None,
+                     msg_id=taken.msg_id if taken else UNSET,
+                     text=taken.text if taken else UNSET)
+
+    async def switch(self, who: Principal, req: p.Switch) -> p.Ack:
+        """The head to the leaf last active under ``node_id``: another branch, or redo."""
+        op = TreeOp(kind="switch", by=who.user_id, expected_head=req.expected_head,
+                    cancel=req.cancel, node=req.node_id)
+        result = await self._move_head(who, req.chat_id, op)
+        return p.Ack(req.chat_id, result.last_seq, None, None, False, req.id,
+                     head=result.head or None)
+
+    def _message_events(self, who: Principal, text: str, client_msg_id: str,
+                        extra: dict[str, Any] | None, turn_id: str) -> list[OutEvent]:
+        if len(text.encode()) > self.settings.max_text_bytes:
+            raise Rejected("text_too_long", f"text is over {self.settings.max_text_bytes} bytes")
+        data: dict[str, Any] = {"text": text, "client_msg_id": client_msg_id,
+                                "user_id": who.user_id}
+        if extra is not None:
+            data["data"] = extra
+        preview = " ".join(text.split())[:PREVIEW_CHARS]
+        return [OutEvent(type="user_message", data=_encode(data), preview=preview),
+                OutEvent(type="turn_start", data=b"{}", turn_id=turn_id)]
+
+    async def _start_turn(self, who: Principal, chat_id: str, events: list[OutEvent],
+                          op: TreeOp, handoff: Handoff | None, *, create_owner: str = "",
+                          idempotency_key: str | None = None) -> Published:
+        """Publish a batch that starts a turn and hand the turn to the agents.
+
+        The hand-off is staged first when its text is known (a message, an edit): from
+        then on a crash cannot lose the turn. A retry learns the message it answers from
+        the script, so its hand-off is done after; a gateway dying in between leaves the
+        turn to end by its timeout.
+        """
+        if handoff is not None:
+            await self.inbox.stage(handoff)
         not_replicated: NotReplicated | None = None
         try:
             result = await self.store.publish(
-                req.chat_id,
-                [OutEvent(type="user_message", data=_encode(data), preview=preview),
-                 OutEvent(type="turn_start", data=b"{}", turn_id=turn_id)],
-                create_owner=who.user_id if self.settings.auto_create else "",
-                idempotency_key=f"m:{who.user_id}:{req.client_msg_id}",
-                writer=who.writer(),
-            )
+                chat_id, events, create_owner=create_owner, idempotency_key=idempotency_key,
+                writer=who.writer(), op=op)
         except NotReplicated as exc:  # stored, the turn runs: hand it off, then say so
             assert exc.result is not None
             result, not_replicated = exc.result, exc
         except Rejected:
-            with contextlib.suppress(RedisError, OSError):  # else the sweeper drops it
-                await self.inbox.discard(handoff)
+            if handoff is not None:
+                with contextlib.suppress(RedisError, OSError):  # else the sweeper drops it
+                    await self.inbox.discard(handoff)
             raise
         if result.duplicate:  # the first attempt's turn, handed off by that attempt
-            with contextlib.suppress(RedisError, OSError):
-                await self.inbox.discard(handoff)
+            if handoff is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await self.inbox.discard(handoff)
         else:
-            deadline = result.ts + int(self.settings.turn_timeout * 1000)
-            try:
-                await self.inbox.hand_off(handoff, result.seqs[0] or 0, result.ts, deadline)
-            except (RedisError, OSError) as exc:  # the message stands: acknowledge it
-                log.warning("handing off %s %s: %s; the sweeper will", req.chat_id, turn_id,
-                            exc)
+            await self._cancel_running(who, chat_id, result)
+            taken = result.message
+            if handoff is None and taken is not None and result.turn_id is not None:
+                handoff = Handoff(chat_id, result.turn_id, who.user_id, taken.text,
+                                  taken.client_msg_id,
+                                  bytes(taken.data).decode() if taken.data else "")
+            if handoff is not None:
+                first = next((s for s in result.seqs if s is not None), 0)
+                seq = taken.seq if taken is not None and op.kind == "retry" else first
+                deadline = result.ts + int(self.settings.turn_timeout * 1000)
+                try:
+                    await self.inbox.hand_off(handoff, seq, result.ts, deadline)
+                except (RedisError, OSError) as exc:  # the message stands: acknowledge it
+                    log.warning("handing off %s %s: %s; the sweeper will", chat_id,
+                                handoff.turn_id, exc)
         if not_replicated is not None:
             raise not_replicated
-        return p.Ack(req.chat_id, result.seqs[0], req.client_msg_id, result.turn_id,
-                     result.duplicate, req.id)
+        return result
+
+    async def _move_head(self, who: Principal, chat_id: str, op: TreeOp) -> Published:
+        result = await self.store.publish(chat_id, [], writer=who.writer(), op=op)
+        await self._cancel_running(who, chat_id, result)
+        return result
+
+    async def _cancel_running(self, who: Principal, chat_id: str, result: Published) -> None:
+        """A tree operation ended the running turn first: tell its agent to stop."""
+        if result.cancelled:
+            with contextlib.suppress(RedisError, OSError):  # the turn is over either way
+                await self.inbox.to_inbox(chat_id, {
+                    "kind": "cancel", "chat_id": chat_id, "turn_id": result.cancelled,
+                    "seq": str(result.last_seq), "user_id": who.user_id})
 
     async def cancel(self, who: Principal, req: p.Cancel) -> p.Ack:
         result = await self.store.publish(
@@ -137,6 +235,7 @@ class Conversations:
                                        turn_id=turn_id)]
                 )
                 ended += 1
+                COUNTS.turn_timeouts += 1
             except Rejected:
                 pass  # already ended, or the conversation is gone
             await self.inbox.untrack_turn(chat_id, turn_id)
@@ -163,6 +262,7 @@ class Conversations:
                 log.info("handed off %s %s for a gateway that did not", handoff.chat_id,
                          handoff.turn_id)
                 handed += 1
+                COUNTS.handoffs_swept += 1
         return handed
 
     async def _message_seq(self, chat_id: str, turn_id: str, meta: Meta) -> int:

@@ -18,6 +18,9 @@ HTTP_STATUS = {
     "no_active_turn": 409,
     "turn_mismatch": 409,
     "conflict": 409,
+    "not_on_path": 409,
+    "nothing_to_retry": 409,
+    "nothing_to_undo": 409,
     "unprocessable": 422,
     "backend_unavailable": 503,
     "replication_timeout": 503,
@@ -27,10 +30,13 @@ HTTP_STATUS = {
 class Rejected(Exception):
     """A request refused for a reason the client can act on (``code`` goes on the wire)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, head: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # A tree operation refused: the conversation's head now ("" for none), so the
+        # client can tell what it raced with.
+        self.head = head
 
     @property
     def http_status(self) -> int:

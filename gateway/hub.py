@@ -24,6 +24,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from .frames import Frame
+from .metrics import COUNTS
 from .redis.backend import Backend
 from .redis.channels import Channels
 from .redis.envelope import unpack
@@ -62,6 +63,12 @@ class Hub:
     @property
     def connected(self) -> bool:
         return self.channels.connected
+
+    def census(self) -> tuple[int, int, int]:
+        """Rooms, their members and the answers streaming in them (``/metrics``)."""
+        rooms = self._rooms.values()
+        return (len(rooms), sum(len(r.members) for r in rooms),
+                sum(len(r.streams) for r in rooms))
 
     # --- rooms ------------------------------------------------------------------------
 
@@ -197,6 +204,7 @@ class Hub:
         if seq <= room.last_seq:
             return
         if seq > room.last_seq + 1:
+            COUNTS.gap_repairs += 1
             room.repairing = True
             room.backlog.append((epoch, frame))
             self._spawn(self._repair(room))
@@ -257,5 +265,6 @@ class Hub:
             room.history_lost(f"history went back from {room.last_seq} to {meta.seq}; "
                               "new epoch")
         elif meta.seq > room.last_seq:
+            COUNTS.gap_repairs += 1
             room.repairing = True
             self._spawn(self._repair(room))

@@ -22,11 +22,15 @@ EventType = Annotated[str, msgspec.Meta(pattern=EVENT_TYPE_PATTERN)]
 ClientMsgId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 RequestId = Annotated[str, msgspec.Meta(max_length=128)] | Annotated[int, msgspec.Meta(ge=0)]
 Seq = Annotated[int, msgspec.Meta(ge=0)]
+NodeId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+# The head a tree operation expects: absent for any, null for none (an empty conversation).
+ExpectedHead = NodeId | None | msgspec.UnsetType
 
 # Event types whose meaning the gateway owns: agents cannot publish them as-is.
 GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
-     "stream_discarded", "hello", "subscribed", "unsubscribed", "left", "ack", "pong", "error"}
+     "stream_discarded", "head", "hello", "subscribed", "unsubscribed", "left", "ack", "pong",
+     "error"}
 )
 
 
@@ -60,6 +64,40 @@ class Message(msgspec.Struct, tag="message", tag_field="type", frozen=True):
     client_msg_id: ClientMsgId
     data: dict[str, Any] | None = None
     id: RequestId | None = None
+    expected_head: ExpectedHead = msgspec.UNSET
+    cancel: bool = False
+
+
+class Retry(msgspec.Struct, tag="retry", tag_field="type", frozen=True):
+    chat_id: ChatId
+    expected_head: ExpectedHead = msgspec.UNSET
+    cancel: bool = False
+    id: RequestId | None = None
+
+
+class Edit(msgspec.Struct, tag="edit", tag_field="type", frozen=True):
+    chat_id: ChatId
+    msg_id: NodeId
+    text: str
+    client_msg_id: ClientMsgId | None = None
+    expected_head: ExpectedHead = msgspec.UNSET
+    cancel: bool = False
+    id: RequestId | None = None
+
+
+class Undo(msgspec.Struct, tag="undo", tag_field="type", frozen=True):
+    chat_id: ChatId
+    expected_head: ExpectedHead = msgspec.UNSET
+    cancel: bool = False
+    id: RequestId | None = None
+
+
+class Switch(msgspec.Struct, tag="switch", tag_field="type", frozen=True):
+    chat_id: ChatId
+    node_id: NodeId
+    expected_head: ExpectedHead = msgspec.UNSET
+    cancel: bool = False
+    id: RequestId | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):
@@ -72,7 +110,8 @@ class Ping(msgspec.Struct, tag="ping", tag_field="type", frozen=True):
     id: RequestId | None = None
 
 
-ClientFrame = Subscribe | Unsubscribe | Leave | Message | Cancel | Ping
+ClientFrame = (Subscribe | Unsubscribe | Leave | Message | Cancel | Ping | Retry | Edit | Undo
+               | Switch)
 
 
 class Envelope(msgspec.Struct):
@@ -125,6 +164,7 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     # Omitted only when the connection already holds every open stream (an intact buffer
     # drain, or a subscribe to a chat that is already live).
     streams: list[StreamSnapshot] | None = None
+    head: str | msgspec.UnsetType | None = msgspec.UNSET  # the node the next message follows
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):
@@ -156,6 +196,9 @@ class Ack(msgspec.Struct, tag="ack", tag_field="type", omit_defaults=True):
     turn_id: str | None
     duplicate: bool
     id: RequestId | None = None
+    head: str | msgspec.UnsetType | None = msgspec.UNSET  # a tree operation's new head
+    msg_id: str | msgspec.UnsetType = msgspec.UNSET  # the user message it added or took back
+    text: str | msgspec.UnsetType = msgspec.UNSET  # undo: the text taken back
 
 
 class Pong(msgspec.Struct, tag="pong", tag_field="type", omit_defaults=True):
@@ -168,6 +211,7 @@ class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
     message: str
     id: Any = None
     chat_id: Any = None
+    head: str | msgspec.UnsetType | None = msgspec.UNSET  # a refused tree operation: the head
 
 
 # --- agent-published payloads the gateway interprets -----------------------------------

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .frames import Frame
+from .metrics import COUNTS
 from .redis.keys import room_channel
 from .streams import Floor
 
@@ -87,7 +88,7 @@ class Room:
     """The local members of one conversation and the position this process has reached."""
 
     __slots__ = ("backlog", "binary_writers", "channel", "chat_id", "epoch", "last_seq",
-                 "members", "repairing", "slow", "text_writers", "unread_max")
+                 "members", "repairing", "slow", "streams", "text_writers", "unread_max")
 
     def __init__(self, chat_id: str) -> None:
         self.chat_id = chat_id
@@ -101,6 +102,7 @@ class Room:
         self.unread_max = 0  # highest seq fanned out while last_seq was still None
         self.repairing = False
         self.backlog: list[tuple[str, Frame]] = []  # (epoch, frame) held while repairing
+        self.streams: dict[str, None] = {}  # ids of the answers streaming (a gauge's count)
 
     def add(self, member: Member) -> None:
         self.members[member] = None
@@ -156,22 +158,50 @@ class Room:
     def history_lost(self, why: str) -> None:
         """Every member resyncs; the room's position is unknown until one has read."""
         log.warning("room %s: %s; members resync", self.chat_id, why)
+        COUNTS.history_lost += 1
+        COUNTS.resyncs += len(self.members)
         self.demote_all()
         self.epoch, self.last_seq, self.unread_max = None, None, 0
         for member in list(self.members):
             member.resync(self.chat_id)
 
     def fan_out(self, frame: Frame) -> None:
+        counts = COUNTS  # counted once per frame, by the size of each set: never per member
+        counts.fanouts += 1
+        if frame.stream is not None:
+            self.streams[frame.stream[0]] = None
+        elif self.streams:
+            self._streams_settled(frame)
         if frame.is_deleted:  # every member must act on it: take them all off the fast lane
             self.demote_all()
         if self.text_writers:
-            _write_all(self.text_writers, frame.wire_text)
+            data = frame.wire_text
+            n = len(self.text_writers)
+            counts.direct += n
+            counts.bytes_out += n * len(data)
+            _write_all(self.text_writers, data)
         if self.binary_writers:
-            _write_all(self.binary_writers, frame.wire_binary)
+            data = frame.wire_binary
+            n = len(self.binary_writers)
+            counts.direct += n
+            counts.bytes_out += n * len(data)
+            _write_all(self.binary_writers, data)
         if self.slow:
+            counts.handed += len(self.slow)
             chat_id = self.chat_id
             for member in list(self.slow):
                 member.deliver(chat_id, frame)
+
+    def _streams_settled(self, frame: Frame) -> None:
+        """An answer stops streaming with the frame that names it (its commit, a partial
+        commit at turn_end, ``stream_discarded``), or when the turn ends or the room goes."""
+        if frame.is_deleted or frame.json.startswith(b'{"type":"turn_end"'):
+            self.streams.clear()
+            return
+        for stream_id in [s for s in self.streams if s.encode() in frame.json]:
+            del self.streams[stream_id]
+            if frame.is_discard:
+                COUNTS.discarded += 1
 
 
 def _write_all(writers: dict[Write, Seat], data: bytes) -> None:

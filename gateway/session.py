@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from redis.exceptions import RedisError
 
+from . import logs
 from . import protocol as p
 from .auth import Principal
 from .closecodes import (
@@ -40,6 +41,7 @@ from .closecodes import (
 from .errors import Rejected
 from .events import now_ms
 from .frames import Frame
+from .metrics import COUNTS
 from .redis.records import Meta
 from .rooms import Seat
 from .streams import snapshot
@@ -89,7 +91,8 @@ class Session:
                  "principal", "receive", "settings", "subs")
 
     def __init__(self, gateway: Gateway, principal: Principal, codec: p.Codec,
-                 scope: dict[str, Any], receive: Receive, send: Send) -> None:
+                 scope: dict[str, Any], receive: Receive, send: Send, *,
+                 connection_id: str | None = None) -> None:
         self.gateway = gateway
         self.hub = gateway.hub
         self.settings = gateway.settings
@@ -97,7 +100,7 @@ class Session:
         self.codec = codec
         self.binary = codec.binary
         self.receive = receive
-        self.id = secrets.token_hex(8)
+        self.id = connection_id or secrets.token_hex(8)
         self.subs: dict[str, Subscription] = {}
         pause_above = min(PAUSE_ABOVE, self.settings.queue_max_bytes // 2)
         self.out = outbound_for(scope, send, codec.binary, self, pause_above)
@@ -155,6 +158,7 @@ class Session:
         self._closing = True
         self._leave_all_direct()
         self._closer = self.out.close(code, reason)
+        COUNTS.closed[code] += 1
 
     # --- transport events (the fast path's listener; called synchronously) ------------
 
@@ -212,6 +216,7 @@ class Session:
             task.add_done_callback(self._resyncs.discard)
 
     async def _resync_live(self, req: p.Subscribe, sub: Subscription) -> None:
+        logs.bind(connection_id=self.id, user_id=self.principal.user_id, chat_id=req.chat_id)
         try:
             await self._sync(req, sub, req.since, overflowed=None)
         except (RedisError, ConnectionError, OSError, TimeoutError):
@@ -226,10 +231,14 @@ class Session:
         payload = self.codec.encode(frame)
         if not self._over_bound(len(payload)):
             self.out.send_payload(payload)
+            COUNTS.replies += 1
+            COUNTS.bytes_out += len(payload)
 
     def _send_frame(self, frame: Frame) -> None:
         if not self._closing and not self._over_bound(frame.size):
             self.out.send_frame(frame)
+            COUNTS.sent += 1
+            COUNTS.bytes_out += frame.size
 
     def _over_bound(self, size: int) -> bool:
         """Close with 4008 if ``size`` more bytes would pass the bound of unsent bytes."""
@@ -257,6 +266,8 @@ class Session:
             if self._over_bound(size):
                 return
             self.out.send_frames(chunk)
+            COUNTS.replayed += len(chunk)
+            COUNTS.bytes_out += size
 
     # --- inbound ----------------------------------------------------------------------
 
@@ -265,6 +276,8 @@ class Session:
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
+                if self._closer is None:  # closed by the peer, or lost: not by us
+                    COUNTS.closed[message.get("code", 1005)] += 1
                 return
             if self._closing:
                 # Closed by us (4008, 4011, 4029...) but the close frame has not reached the
@@ -279,14 +292,18 @@ class Session:
             try:
                 frame = self.codec.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                COUNTS.frames_in[None] += 1
                 code, text = p.error_message(exc)
                 env = self.codec.envelope(data)
                 self._bad(code, text, env.id, env.chat_id)
                 continue
+            about = logs.about_chat(getattr(frame, "chat_id", None))
             try:
                 await self._handle(frame)
             except Rejected as exc:
-                self._error(exc.code, exc.message, frame)
+                self._error(exc.code, exc.message, frame, exc.head)
+            finally:
+                logs.unbind(about)
 
     def _admit(self) -> bool:
         """Token-bucket rate limit on inbound frames."""
@@ -307,16 +324,21 @@ class Session:
         return False
 
     def _bad(self, code: str, message: str, req_id: Any = None, chat_id: Any = None) -> None:
+        log.debug("invalid frame: %s", code)  # not its content: it may hold message text
         self._bad_frames += 1
         if self._bad_frames > self.settings.max_bad_frames:
             self.close(PROTOCOL_ABUSE, "too many invalid frames")
             return
         self._send(p.Error(code, message, _echo(req_id), _echo(chat_id)))
 
-    def _error(self, code: str, message: str, frame: p.ClientFrame) -> None:
-        self._send(p.Error(code, message, frame.id, getattr(frame, "chat_id", None)))
+    def _error(self, code: str, message: str, frame: p.ClientFrame,
+               head: str | None = None) -> None:
+        log.debug("%s refused: %s", type(frame).__name__.lower(), code)
+        self._send(p.Error(code, message, frame.id, getattr(frame, "chat_id", None),
+                           msgspec.UNSET if head is None else head or None))
 
     async def _handle(self, frame: p.ClientFrame) -> None:
+        COUNTS.frames_in[type(frame)] += 1
         match frame:
             case p.Subscribe():
                 await self._subscribe(frame)
@@ -330,6 +352,14 @@ class Session:
                 self._send(p.Left(frame.chat_id, frame.id))
             case p.Cancel():
                 await self._cancel(frame)
+            case p.Retry():
+                self._send(await self.gateway.conversations.retry(self.principal, frame))
+            case p.Edit():
+                self._send(await self.gateway.conversations.edit(self.principal, frame))
+            case p.Undo():
+                self._send(await self.gateway.conversations.undo(self.principal, frame))
+            case p.Switch():
+                self._send(await self.gateway.conversations.switch(self.principal, frame))
             case p.Ping():
                 self._send(p.Pong(now_ms(), frame.id))
         self._bad_frames = 0
@@ -401,6 +431,11 @@ class Session:
             self._error(exc.code, exc.message, req)
             return
         meta, cursor = caught.meta, caught.cursor
+        log.debug("subscribed at seq %d, %d replayed, recovered: %s", meta.seq,
+                  len(caught.replay), caught.recovered)
+        if since is not None:
+            COUNTS.replays[caught.recovered, bool(overflowed)] += 1
+        COUNTS.snapshots += len(caught.streams)
         self._send(p.Subscribed(
             chat_id, meta.epoch, meta.seq, caught.recovered, len(caught.replay),
             _snapshot(meta, self.codec.binary, snapshot(caught.streams)), req.id,
@@ -432,6 +467,7 @@ class Session:
             self._drop(req.chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
+        COUNTS.replays[True, False] += 1
         self._send(p.Subscribed(req.chat_id, meta.epoch, meta.seq, True, 0,
                                 _snapshot(meta, self.codec.binary), req.id,
                                 buffered=len(sub.pending), overflowed=False))
@@ -515,6 +551,7 @@ def _snapshot(meta: Meta, binary: bool,
         turn_id=meta.turn_id,
         started_at=meta.started_at,
         goal_state=goal,
+        head=meta.head,
         streams=streams,
     )
 

@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from . import logs
 from . import protocol as p
 from .auth import Principal, check_access
 from .errors import Rejected
@@ -221,6 +222,7 @@ async def endpoint(request: Request) -> Response:
 
 async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: str,
                   last_id: LastEventId | None) -> AsyncIterator[bytes]:
+    logs.bind(user_id=who.user_id, chat_id=chat_id)  # the task that streams the response
     hub, settings = gateway.hub, gateway.settings
     since = last_id.since if last_id is not None else None
     member = SseMember(hub, settings.queue_max_bytes)

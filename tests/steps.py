@@ -105,10 +105,10 @@ async def reply(ws: Client, chat_id: str, count: int = 0,
 
 
 async def message_and_reply(ws: Client, chat_id: str, text: str,
-                            client_msg_id: str | None = None, count: int = 2,
+                            client_msg_id: str | None = None, count: int = 3,
                             **extra: Any) -> tuple[Frame, list[Frame]]:
     """:func:`send_message`, then its :func:`reply` and the ``count`` events it appended
-    (``user_message`` and ``turn_start`` when it is accepted)."""
+    (``user_message``, ``turn_start`` and ``head`` when it is accepted)."""
     await send_message(ws, chat_id, text, client_msg_id, **extra)
     return await reply(ws, chat_id, count)
 

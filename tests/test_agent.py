@@ -196,7 +196,8 @@ async def test_turn_api_publishes_every_kind_of_event_and_the_worker_ends_the_tu
     assert turn.cancelled is False and turn.redelivered is False and turn.ended is True
     assert turn.meta is not None and turn.meta.status == "running"
 
-    events = [f for f in frames if f["type"] not in ("ack", "user_message", "turn_start")]
+    events = [f for f in frames
+              if f["type"] not in ("ack", "user_message", "turn_start", "head")]
     # The pieces streamed within one window went out as one delta per stream; the durable
     # tool_call flushed them first. The message (given its own text) commits the delta
     # stream; the reasoning stream, never committed, is committed by the gateway as partial
@@ -206,6 +207,10 @@ async def test_turn_api_publishes_every_kind_of_event_and_the_worker_ends_the_tu
         "goal_state", "note", "reasoning", "turn_end"]
     assert [f["seq"] is None for f in events[:2]] == [True, True]
     assert all(isinstance(f["seq"], int) for f in events[2:])
+    # Every durable event of the turn belongs to its node; title and goal are the chat's.
+    assert [f.get("node") for f in events[2:]] == [
+        ack["turn_id"], ack["turn_id"], ack["turn_id"], None, None, ack["turn_id"],
+        ack["turn_id"], ack["turn_id"]]
     assert [f["data"] for f in events[:2]] == [{"text": "thinking"}, {"text": "Hello"}]
     assert [f["stream"]["pos"] for f in events[:2]] == [0, 0]
     call, result = events[2]["data"], events[3]["data"]
@@ -274,8 +279,9 @@ async def test_a_worker_killed_mid_turn_is_taken_over_without_duplicates(
         assert [t.redelivered for t in taken_over] == [True]
 
     events = await history(gateway, user, chat_id)
-    assert [e["type"] for e in events] == ["user_message", "turn_start", "message", "turn_end"]
-    assert events[2]["seq"] == reply["seq"]  # the reply of the first attempt, only once
+    assert [e["type"] for e in events] == ["user_message", "turn_start", "head", "message",
+                                           "turn_end"]
+    assert events[3]["seq"] == reply["seq"]  # the reply of the first attempt, only once
     assert await pending(redis_url, group) == 0
 
 
@@ -303,7 +309,8 @@ async def test_a_turn_that_ended_before_the_crash_is_not_run_again(
             await eventually(acked)
         assert called == [] and worker.stats["skipped"] == 1
     events = await history(gateway, user, chat_id)
-    assert [e["type"] for e in events] == ["user_message", "turn_start", "message", "turn_end"]
+    assert [e["type"] for e in events] == ["user_message", "turn_start", "head", "message",
+                                           "turn_end"]
 
 
 async def test_a_long_turn_is_not_taken_from_a_live_worker(
@@ -417,10 +424,10 @@ async def test_two_workers_share_the_partitions_and_handle_each_turn_once(
     handled_by: dict[str, int] = {}
     for chat in chats:
         events = await history(gateway, user, chat)
-        assert [e["type"] for e in events] == ["user_message", "turn_start", "message",
+        assert [e["type"] for e in events] == ["user_message", "turn_start", "head", "message",
                                                "turn_end"], events
-        assert events[3]["data"]["reason"] == "complete"
-        handled_by[chat] = events[2]["data"]["pid"]
+        assert events[4]["data"]["reason"] == "complete"
+        handled_by[chat] = events[3]["data"]["pid"]
     assert set(handled_by.values()) == pids  # both took part, each chat exactly once
 
 

@@ -107,13 +107,16 @@ async def test_subscribe_message_cancel_feed(gateway: Any, user: str, chat_id: s
 
         ack = await client.send_message(chat_id, "hello", data={"k": 1})
         assert ack.seq == 1 and ack.duplicate is False and ack.turn_id
-        message, turn = await take(events, 2)
-        assert isinstance(message, Event) and isinstance(turn, Event)
-        assert (message.type, message.seq, turn.type, turn.seq) == (
-            "user_message", 1, "turn_start", 2)
+        assert ack.head == ack.turn_id and isinstance(ack.msg_id, str) and ack.msg_id
+        message, turn, head = await take(events, 3)
+        assert isinstance(message, Event) and isinstance(turn, Event) and isinstance(head, Event)
+        assert (message.type, message.seq, turn.type, turn.seq, head.type, head.seq) == (
+            "user_message", 1, "turn_start", 2, "head", 3)
         assert message.data["text"] == "hello" and message.data["data"] == {"k": 1}
         assert message.data["client_msg_id"] == ack.client_msg_id
+        assert message.data["msg_id"] == ack.msg_id
         assert turn.data["turn_id"] == ack.turn_id
+        assert head.data["head_id"] == ack.turn_id
 
         # Retry-safe: the same client_msg_id returns the first ack and appends nothing.
         again = await client.send_message(chat_id, "hello", client_msg_id=ack.client_msg_id)
@@ -123,7 +126,7 @@ async def test_subscribe_message_cancel_feed(gateway: Any, user: str, chat_id: s
         assert refused.value.code == "turn_in_progress"
 
         cancelled = await client.cancel(chat_id, ack.turn_id)
-        assert cancelled.seq == 3 and cancelled.turn_id == ack.turn_id
+        assert cancelled.seq == 4 and cancelled.turn_id == ack.turn_id
         [requested] = await take(events, 1)
         assert isinstance(requested, Event) and requested.type == "cancel_requested"
         assert requested.data == {"turn_id": ack.turn_id}
@@ -132,8 +135,8 @@ async def test_subscribe_message_cancel_feed(gateway: Any, user: str, chat_id: s
                       {"type": "turn_end", "data": {"reason": "cancelled"}})
         delta, end = await take(events, 2)
         assert isinstance(delta, Event) and delta.seq is None and not delta.durable
-        assert isinstance(end, Event) and end.type == "turn_end" and end.seq == 4
-        assert client.position(chat_id) == (4, sub.epoch)
+        assert isinstance(end, Event) and end.type == "turn_end" and end.seq == 5
+        assert client.position(chat_id) == (5, sub.epoch)
 
         # The conversation feed: created, then running, then idle again.
         feed = client.feed()
@@ -309,12 +312,13 @@ async def test_messages_queued_while_disconnected_are_sent_once_in_order(
     assert [m.data["client_msg_id"] for m in messages] == [a.client_msg_id for a in done]
     for chat in chats:
         assert [(i.type, i.seq) for i in received if isinstance(i, Event)
-                and i.chat_id == chat] == [("user_message", 1), ("turn_start", 2), ("marker", 3)]
+                and i.chat_id == chat] == [("user_message", 1), ("turn_start", 2), ("head", 3),
+                                           ("marker", 4)]
     async with httpx.AsyncClient(base_url=gateway.http, headers=gateway.headers(user)) as http:
         for chat in chats:
             history = (await http.get(f"/v1/conversations/{chat}/events")).json()
             assert [e["type"] for e in history["events"]] == [
-                "user_message", "turn_start", "marker"]
+                "user_message", "turn_start", "head", "marker"]
 
 
 async def test_token_expiry_reconnects_with_a_fresh_token(gateway: Any, user: str,

@@ -75,7 +75,8 @@ async def test_core_paths_on_the_cluster(pair: list[GatewayProcess]) -> None:
     async with connect(a.url(user)) as ws:
         first = await ws.subscribe(chat)
         await send_message(ws, chat, "hi", "m1")
-        assert [f["type"] for f in await ws.events(chat, 2)] == ["user_message", "turn_start"]
+        assert [f["type"] for f in await ws.events(chat, 3)] == ["user_message", "turn_start",
+                                                                 "head"]
         await publish(b, chat, {"type": "turn_end", "data": {"reason": "complete"}},
                       {"type": "title", "data": {"title": "Cluster"}})
         assert [f["type"] for f in await ws.events(chat, 2)] == ["turn_end", "title"]
@@ -83,9 +84,9 @@ async def test_core_paths_on_the_cluster(pair: list[GatewayProcess]) -> None:
                                          and f.get("title") == "Cluster")
         assert conversation["chat_id"] == chat
     async with connect(b.url(user)) as ws:
-        resumed = await ws.subscribe(chat, since={"epoch": first["epoch"], "seq": 2})
+        resumed = await ws.subscribe(chat, since={"epoch": first["epoch"], "seq": 3})
         assert resumed["recovered"] is True
-        assert [f["seq"] for f in await ws.events(chat, 2)] == [3, 4]
+        assert [f["seq"] for f in await ws.events(chat, 2)] == [4, 5]
     async with httpx.AsyncClient(base_url=b.http, headers=b.headers(user)) as http:
         listed = (await http.get("/v1/conversations")).json()
         assert [c["chat_id"] for c in listed["conversations"]] == [chat]

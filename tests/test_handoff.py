@@ -115,7 +115,8 @@ async def test_a_message_whose_hand_off_never_happened_is_answered_once(
         assert await inbox_entries(convs, chat_id, ack.turn_id) == 1
     assert [(t.turn_id, t.seq, t.text) for t in turns] == [(ack.turn_id, 1, "is anyone there?")]
     events = await history(gateway, user, chat_id)
-    assert [e["type"] for e in events] == ["user_message", "turn_start", "message", "turn_end"]
+    assert [e["type"] for e in events] == ["user_message", "turn_start", "head", "message",
+                                           "turn_end"]
 
 
 async def test_a_normal_message_is_handed_off_once(
@@ -307,8 +308,8 @@ async def test_demo_agent_resumes_its_turn_right_after_a_gateway_restart(
             end = await ws.wait_for(lambda f: f["type"] == "turn_end", timeout=5)
         assert end["data"]["reason"] == "cancelled"
         events = await history(gw, user, chat_id)
-        assert [e["type"] for e in events] == ["user_message", "turn_start", "cancel_requested",
-                                               "message", "turn_end"]
+        assert [e["type"] for e in events] == ["user_message", "turn_start", "head",
+                                               "cancel_requested", "message", "turn_end"]
     finally:
         gw.stop()
         server.stop()

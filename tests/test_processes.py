@@ -70,31 +70,34 @@ async def test_two_processes_share_rooms_and_the_feed(start_gateway: Any, user: 
         # A user's message sent over a WebSocket on B reaches A, and so does the feed.
         await send_message(sender_b, chat_id, "hello from B", "m1", id=7)
         ack = await sender_b.expect("ack", chat_id=chat_id, id=7, seq=2, duplicate=False)
-        message, turn = await on_a.events(chat_id, 2)
+        message, turn, head = await on_a.events(chat_id, 3)
         assert message["type"] == "user_message" and message["seq"] == 2
         assert message["data"]["text"] == "hello from B"
         assert message["data"]["user_id"] == user
         assert turn["type"] == "turn_start" and turn["seq"] == 3
         assert turn["data"]["turn_id"] == ack["turn_id"]
+        assert head["type"] == "head" and head["seq"] == 4
+        assert head["data"]["head_id"] == ack["turn_id"] == ack["head"]
         running = await feed_frame(feed_a, chat_id)
         assert running["created"] is False and running["status"] == "running"
-        assert running["preview"] == "hello from B" and running["last_seq"] == 3
+        assert running["preview"] == "hello from B" and running["last_seq"] == 4
+        assert running["head"] == ack["turn_id"]
 
         # The agent ends the turn through B; A sees the event and the feed change.
         await publish(b, chat_id, {"type": "turn_end", "data": {"reason": "complete"}})
         end = (await on_a.events(chat_id, 1))[0]
-        assert end["type"] == "turn_end" and end["seq"] == 4
+        assert end["type"] == "turn_end" and end["seq"] == 5
         assert end["data"]["turn_id"] == ack["turn_id"]
         idle = await feed_frame(feed_a, chat_id)
-        assert idle["status"] == "idle" and idle["last_seq"] == 4
+        assert idle["status"] == "idle" and idle["last_seq"] == 5
 
         # And the other way round: published through A, received on B.
         await publish(a, chat_id, {"type": "note", "data": {"n": 5}})
-        on_b_frames = await on_b.events(chat_id, 5)
+        on_b_frames = await on_b.events(chat_id, 6)
         on_a_last = (await on_a.events(chat_id, 1))[0]
-        assert [f["seq"] for f in on_b_frames] == [1, 2, 3, 4, 5]
+        assert [f["seq"] for f in on_b_frames] == [1, 2, 3, 4, 5, 6]
         # Both processes delivered the very same frames.
-        assert on_b_frames == [note, message, turn, end, on_a_last]
+        assert on_b_frames == [note, message, turn, head, end, on_a_last]
         assert on_a_last["data"] == {"n": 5}
 
 
@@ -263,9 +266,10 @@ async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
                     resp = await http.post(f"/v1/conversations/{chat_id}/events", json=body,
                                            headers={"Authorization": f"Bearer {agent}"})
                     assert resp.status_code == 200, resp.text
-            before = [f for f in await ws.events(chat_id, 5) if f["seq"] is not None]
-        assert [f["seq"] for f in before] == [1, 2, 3, 4]
-        assert [f["type"] for f in before] == ["user_message", "turn_start", "note", "turn_end"]
+            before = [f for f in await ws.events(chat_id, 6) if f["seq"] is not None]
+        assert [f["seq"] for f in before] == [1, 2, 3, 4, 5]
+        assert [f["type"] for f in before] == ["user_message", "turn_start", "head", "note",
+                                               "turn_end"]
         assert (await history_page(serve, "alice", chat_id, token=alice))["events"] == before
 
         child = serve.server_child()
@@ -276,7 +280,7 @@ async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
         await serve.start()
         # The secret was kept in the data dir: tokens issued before the restart still work.
         page = await history_page(serve, "alice", chat_id, token=alice)
-        assert page["epoch"] == epoch and page["last_seq"] == 4
+        assert page["epoch"] == epoch and page["last_seq"] == 5
         assert page["events"] == before
         async with httpx.AsyncClient(base_url=serve.http) as http:
             resp = await http.get("/v1/conversations",
@@ -285,17 +289,18 @@ async def test_embedded_default_keeps_history_across_a_restart(tmp_path: Path,
         assert resp.json()["conversations"][0]["preview"] == "before restart"
         async with connect(serve.ws(alice)) as ws, connect(serve.ws(alice)) as sender:
             again = await ws.subscribe(chat_id, since={"seq": 1, "epoch": epoch})
-            assert again["epoch"] == epoch and again["seq"] == 4
-            assert again["recovered"] is True and again["replayed"] == 3
+            assert again["epoch"] == epoch and again["seq"] == 5
+            assert again["recovered"] is True and again["replayed"] == 4
             assert again["snapshot"]["status"] == "idle"
-            assert await ws.events(chat_id, 3) == before[1:]
+            assert again["snapshot"]["head"] == ack["turn_id"]  # the tree survived too
+            assert await ws.events(chat_id, 4) == before[1:]
             async with httpx.AsyncClient(base_url=serve.http) as http:
                 resp = await http.post(f"/v1/conversations/{chat_id}/events",
                                        json={"type": "note", "data": {"after": True}},
                                        headers={"Authorization": f"Bearer {agent}"})
-                assert resp.status_code == 200 and resp.json()["seqs"] == [5], resp.text
+                assert resp.status_code == 200 and resp.json()["seqs"] == [6], resp.text
             live = (await ws.events(chat_id, 1))[0]
-            assert live["seq"] == 5 and live["data"] == {"after": True}
+            assert live["seq"] == 6 and live["data"] == {"after": True}
             # The message's idempotency record survived too: a retry is a duplicate.
             await send_message(sender, chat_id, "before restart", "c1")
             await sender.expect("ack", seq=1, duplicate=True, turn_id=ack["turn_id"])

@@ -80,8 +80,10 @@ async def test_publish_and_read_replies_decode_into_their_structs(
                                                   fresh="e5")))
         assert history.meta is not None and history.meta.owner == "alice"
         assert history.meta.status == "running" and history.meta.turn_id == "t1"
-        assert [seq for seq, _ in history.frames] == [1, 2]
+        assert [seq for seq, _ in history.frames] == [1, 2, 3]  # the note, turn_start, head
         assert history.frames[0][1].startswith(b'{"type":"note"')
+        assert history.frames[2][1].startswith(b'{"type":"head"')
+        assert history.meta.head == "t1"
         missing = read.decode(await run(read.call(chat_id + "-none", None, 10,
                                                   create_owner="", fresh="e6")))
         assert missing.meta is None and missing.frames == [] and not missing.created

@@ -291,7 +291,8 @@ async def test_a_gateway_killed_mid_answer_is_resumed_exactly_on_another(
     assert message["data"] == {"stream_id": sid, "text": expected}
     assert screen.rebuilt == {sid: expected}  # byte for byte, built with no gap or duplicate
     assert screen.streams == {}
-    assert screen.types() == ["user_message", "turn_start", "tool_call", "message", "turn_end"]
+    assert screen.types() == ["user_message", "turn_start", "head", "tool_call", "message",
+                              "turn_end"]
 
 
 # --- 2. a worker killed mid-answer ---------------------------------------------------------
@@ -354,8 +355,9 @@ async def test_a_worker_killed_mid_answer_is_discarded_then_answered_once(
         assert screen.rebuilt == {second: ANSWER}
 
     events = await history(gateway, user, chat_id)
-    assert [e["type"] for e in events] == ["user_message", "turn_start", "message", "turn_end"]
-    assert events[2]["data"]["text"] == ANSWER and "partial" not in events[2]["data"]
+    assert [e["type"] for e in events] == ["user_message", "turn_start", "head", "message",
+                                           "turn_end"]
+    assert events[3]["data"]["text"] == ANSWER and "partial" not in events[3]["data"]
     assert await pending(redis_url, group) == 0
 
 
@@ -405,8 +407,9 @@ async def test_a_worker_killed_after_its_answer_leaves_one_message(
         assert [e["data"]["reason"] for e in screen.events if e["type"] == "turn_end"] == [
             "complete"]
     events = await history(gateway, user, chat_id)
-    assert [e["type"] for e in events] == ["user_message", "turn_start", "message", "turn_end"]
-    assert events[2]["data"]["text"] == ANSWER and "partial" not in events[2]["data"]
+    assert [e["type"] for e in events] == ["user_message", "turn_start", "head", "message",
+                                           "turn_end"]
+    assert events[3]["data"]["text"] == ANSWER and "partial" not in events[3]["data"]
 
 
 # --- 3. the Python SDK sees a position jump ------------------------------------------------
@@ -625,7 +628,7 @@ async def test_sse_disconnected_mid_answer_resumes_with_last_event_id(
     assert message["data"] == {"stream_id": sid, "text": expected}
     assert view.rebuilt == {sid: expected} and view.streams == {}
     assert view.kinds.count("stream") == 1 and view.kinds.count("message") == 1
-    assert view.seq == 4  # ready at 2 (user_message, turn_start), then message, turn_end
+    assert view.seq == 5  # ready at 3 (user_message, turn_start, head), message, turn_end
 
 
 # --- 5. an overflowed buffer ---------------------------------------------------------------
@@ -680,7 +683,8 @@ async def test_an_overflowed_buffer_resubscribes_with_the_whole_stream(
     expected = "".join(before + away + after)
     assert message["data"] == {"stream_id": sid, "text": expected}
     assert screen.rebuilt == {sid: expected} and screen.streams == {}
-    assert screen.types() == ["user_message", "turn_start", "tool_call", "message", "turn_end"]
+    assert screen.types() == ["user_message", "turn_start", "head", "tool_call", "message",
+                              "turn_end"]
 
 
 # --- 6. the worker SDK: coalescing, and the stream limit -----------------------------------
@@ -774,8 +778,8 @@ async def test_a_worker_stream_past_the_limit_takes_no_more_and_stays_a_prefix(
                 assert screen.rebuilt == {sid: expected}
                 assert screen.events[-1]["data"]["reason"] == "complete"
             events = await history(gw, user, chat)
-            assert [e["type"] for e in events] == ["user_message", "turn_start", "message",
-                                                   "turn_end"]
-            assert events[2]["data"]["text"] == expected
+            assert [e["type"] for e in events] == ["user_message", "turn_start", "head",
+                                                   "message", "turn_end"]
+            assert events[3]["data"]["text"] == expected
     assert refused == [("message", "stream_too_large"), ("delta", "stream_too_large"),
                        ("delta", "stream_too_large")]

@@ -101,7 +101,7 @@ async def test_deltas_form_a_stream_that_a_late_subscriber_joins_exactly(
         after = await late.subscribe(chat_id, since={"seq": 0, "epoch": joined["epoch"]})
         assert after["snapshot"]["streams"] == []
         types = [f["type"] for f in await late.events(chat_id, after["replayed"])]
-        assert types == ["user_message", "turn_start", "message", "turn_end"]
+        assert types == ["user_message", "turn_start", "head", "message", "turn_end"]
 
 
 async def test_turn_end_commits_an_open_stream_as_partial(

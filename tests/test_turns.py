@@ -66,25 +66,33 @@ async def test_message_is_acked_and_starts_a_turn(gateway: Any, user: str, chat_
         ack, events = await message_and_reply(ws, chat_id, "Plan a trip", "m-1", id=11,
                                          data={"attachments": []})
         assert ack == {"type": "ack", "chat_id": chat_id, "seq": 1, "client_msg_id": "m-1",
-                       "turn_id": ack["turn_id"], "duplicate": False, "id": 11}
-        turn_id = ack["turn_id"]
-        assert isinstance(turn_id, str) and turn_id
-        user_message, turn_start = events
+                       "turn_id": ack["turn_id"], "duplicate": False, "id": 11,
+                       "head": ack["turn_id"], "msg_id": ack["msg_id"]}
+        turn_id, msg_id = ack["turn_id"], ack["msg_id"]
+        assert isinstance(turn_id, str) and turn_id and isinstance(msg_id, str) and msg_id
+        user_message, turn_start, head = events
         assert (user_message["type"], user_message["seq"]) == ("user_message", 1)
         assert user_message["data"] == {"text": "Plan a trip", "client_msg_id": "m-1",
-                                        "user_id": user, "data": {"attachments": []}}
+                                        "user_id": user, "data": {"attachments": []},
+                                        "msg_id": msg_id, "parent_id": None}
+        assert user_message["node"] == msg_id
         assert (turn_start["type"], turn_start["seq"]) == ("turn_start", 2)
-        assert turn_start["data"]["turn_id"] == turn_id
+        assert turn_start["data"]["turn_id"] == turn_id and turn_start["node"] == turn_id
         assert turn_start["data"]["started_at"] == turn_start["ts"]
+        assert turn_start["data"]["parent_id"] == msg_id
+        assert (head["type"], head["seq"], "node" in head) == ("head", 3, False)
+        assert head["data"] == {"head_id": turn_id, "prev_head_id": None, "cause": "message",
+                                "by": user}
 
         # Another connection of the same user, not subscribed, sees it in its feed.
         item = await feed(other, chat_id, status="running")
-        assert item["preview"] == "Plan a trip" and item["last_seq"] == 2
+        assert item["preview"] == "Plan a trip" and item["last_seq"] == 3
         assert item["created"] is False and item["deleted"] is False
+        assert item["head"] == turn_id
 
         state = await conversation(gateway, user, chat_id)
         assert state["status"] == "running" and state["turn_id"] == turn_id
-        assert state["preview"] == "Plan a trip" and state["last_seq"] == 2
+        assert state["preview"] == "Plan a trip" and state["last_seq"] == 3
 
 
 async def test_message_to_an_unknown_chat_creates_it(gateway: Any, user: str,
@@ -112,7 +120,8 @@ async def test_retried_message_is_a_duplicate_even_after_reconnecting(
         again, _ = await message_and_reply(ws, chat_id, "once, retried", "m-retry", count=0, id="r")
         assert again == {**first, "duplicate": True, "id": "r"}
     stored = await history(gateway, user, chat_id)
-    assert [(e["type"], e["seq"]) for e in stored] == [("user_message", 1), ("turn_start", 2)]
+    assert [(e["type"], e["seq"]) for e in stored] == [("user_message", 1), ("turn_start", 2),
+                                                       ("head", 3)]
     assert stored[0]["data"]["text"] == "once"
 
     # Still a duplicate once the turn is over: it must not start another turn.
@@ -120,7 +129,7 @@ async def test_retried_message_is_a_duplicate_even_after_reconnecting(
     async with connect(gateway.url(user)) as ws:
         again, _ = await message_and_reply(ws, chat_id, "once", "m-retry", count=0)
         assert again == {**first, "duplicate": True}
-    assert len(await history(gateway, user, chat_id)) == 3
+    assert len(await history(gateway, user, chat_id)) == 4
     assert (await conversation(gateway, user, chat_id))["status"] == "idle"
 
 
@@ -146,16 +155,16 @@ async def test_message_while_a_turn_runs_is_refused(gateway: Any, user: str,
         assert error["id"] == 5 and error["chat_id"] == chat_id
         assert first["turn_id"] in error["message"]
         await pong(ws)  # the connection stays usable
-        assert len(await history(gateway, user, chat_id)) == 2
+        assert len(await history(gateway, user, chat_id)) == 3
 
         # The refused attempt was not remembered: once the turn ends, the same id goes in.
         assert (await post_events(gateway, chat_id, {"type": "turn_end", "data": {}})).is_success
         (end,) = await ws.events(chat_id, 1)
         assert end["type"] == "turn_end" and end["data"]["turn_id"] == first["turn_id"]
         second, events = await message_and_reply(ws, chat_id, "second", "m-b")
-        assert second["duplicate"] is False and second["seq"] == 4
+        assert second["duplicate"] is False and second["seq"] == 5
         assert second["turn_id"] != first["turn_id"]
-        assert [e["seq"] for e in events] == [4, 5]
+        assert [e["seq"] for e in events] == [5, 6, 7]
 
 
 async def test_text_over_the_limit_is_refused(gateway: Any, user: str, chat_id: str) -> None:
@@ -173,7 +182,7 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
     await create(gateway, user, chat_id, title="Trip plan")
     async with connect(gateway.url(user)) as ws, connect(gateway.url(user)) as other:
         await ws.subscribe(chat_id)
-        ack, (_, turn_start) = await message_and_reply(ws, chat_id, "Plan Lisbon", "m-goal")
+        ack, (_, turn_start, _) = await message_and_reply(ws, chat_id, "Plan Lisbon", "m-goal")
         turn_id = ack["turn_id"]
 
         # A subscriber arriving mid-turn is hydrated with the running turn.
@@ -181,40 +190,40 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
             snap = (await late.subscribe(chat_id))["snapshot"]
             assert snap == {"title": "Trip plan", "status": "running", "turn_id": turn_id,
                             "started_at": turn_start["data"]["started_at"], "goal_state": None,
-                            "streams": []}
+                            "streams": [], "head": turn_id}
 
         resp = await post_events(gateway, chat_id, {"type": "goal_state", "data": GOAL})
         assert resp.status_code == 200, resp.text
         (goal,) = await ws.events(chat_id, 1)
-        assert goal["type"] == "goal_state" and goal["seq"] == 4
+        assert goal["type"] == "goal_state" and goal["seq"] == 5 and "node" not in goal
         assert {k: goal["data"][k] for k in GOAL} == GOAL
         assert goal["data"]["status"] == "active" and goal["data"]["recap"] is None
         assert isinstance(goal["data"]["updated_at"], int)
-        item = await feed(other, chat_id, last_seq=4)
+        item = await feed(other, chat_id, last_seq=5)
         assert item["goal_state"] == goal["data"] and item["status"] == "running"
 
         resp = await post_events(gateway, chat_id,
                                    {"type": "turn_end", "data": {"reason": "complete"}})
         assert resp.status_code == 200, resp.text
         (end,) = await ws.events(chat_id, 1)
-        assert end["type"] == "turn_end" and end["seq"] == 5
+        assert end["type"] == "turn_end" and end["seq"] == 6 and end["node"] == turn_id
         data = end["data"]
         assert data["turn_id"] == turn_id and data["reason"] == "complete"
         assert isinstance(data["latency_ms"], int) and data["latency_ms"] >= 0
         assert data["latency_ms"] == end["ts"] - turn_start["data"]["started_at"]
         assert data["goal_state"] == goal["data"]
         item = await feed(other, chat_id, status="idle")
-        assert item["last_seq"] == 5 and item["goal_state"] == goal["data"]
+        assert item["last_seq"] == 6 and item["goal_state"] == goal["data"]
         assert item["title"] == "Trip plan" and item["preview"] == "Plan Lisbon"
 
     expected = {"title": "Trip plan", "status": "idle", "turn_id": None, "started_at": None,
-                "goal_state": goal["data"], "streams": []}
+                "goal_state": goal["data"], "streams": [], "head": turn_id}
     async with connect(gateway.url(user)) as fresh:
         sub = await fresh.subscribe(chat_id)
-        assert sub["seq"] == 5 and sub["snapshot"] == expected
+        assert sub["seq"] == 6 and sub["snapshot"] == expected
     async with connect(gateway.url(user), binary=True) as fresh:  # MessagePack too
         sub = await fresh.subscribe(chat_id)
-        assert sub["seq"] == 5 and sub["snapshot"] == expected
+        assert sub["seq"] == 6 and sub["snapshot"] == expected
     state = await conversation(gateway, user, chat_id)
     assert state["status"] == "idle" and state["goal_state"] == goal["data"]
 
@@ -233,23 +242,23 @@ async def test_turn_end_with_a_stale_turn_id_is_refused(gateway: Any, user: str,
         resp = await post_events(gateway, chat_id, {"type": "turn_end", "data": {}})
         assert resp.status_code == 409 and resp.json()["error"]["code"] == "no_active_turn"
         (end,) = await ws.events(chat_id, 1)
-        assert end["seq"] == 3 and end["data"]["turn_id"] == ack["turn_id"]
+        assert end["seq"] == 4 and end["data"]["turn_id"] == ack["turn_id"]
 
 
 async def test_silent_turn_times_out(quick_turns: Any, user: str, chat_id: str) -> None:
     gw = quick_turns
     async with connect(gw.url(user)) as ws, connect(gw.url(user)) as other:
         await ws.subscribe(chat_id)
-        ack, (_, start) = await message_and_reply(ws, chat_id, "anyone there?", "m-1")
+        ack, (_, start, _) = await message_and_reply(ws, chat_id, "anyone there?", "m-1")
         (end,) = await ws.events(chat_id, 1)
-        assert end["type"] == "turn_end" and end["seq"] == 3
+        assert end["type"] == "turn_end" and end["seq"] == 4
         assert end["data"]["reason"] == "timeout" and end["data"]["turn_id"] == ack["turn_id"]
         assert end["data"]["latency_ms"] >= 400
         assert end["data"]["latency_ms"] == end["ts"] - start["data"]["started_at"]
-        await feed(other, chat_id, status="idle", last_seq=3)
+        await feed(other, chat_id, status="idle", last_seq=4)
         # The conversation is idle again: a new message starts a new turn.
         again, _ = await message_and_reply(ws, chat_id, "hello?", "m-2")
-        assert again["type"] == "ack" and again["seq"] == 4
+        assert again["type"] == "ack" and again["seq"] == 5
 
 
 async def test_timeout_ends_only_the_turn_it_was_set_for(quick_turns: Any, user: str,
@@ -265,7 +274,7 @@ async def test_timeout_ends_only_the_turn_it_was_set_for(quick_turns: Any, user:
         # turn's own deadline may end it.
         second, _ = await message_and_reply(ws, chat_id, "two", "m-2")
         (end,) = await ws.events(chat_id, 1)
-        assert end["type"] == "turn_end" and end["seq"] == 6, end
+        assert end["type"] == "turn_end" and end["seq"] == 8, end
         assert end["data"]["turn_id"] == second["turn_id"]
         assert end["data"]["reason"] == "timeout"
         assert end["data"]["latency_ms"] >= 400
@@ -279,8 +288,8 @@ async def test_cancel_during_a_turn(gateway: Any, user: str, chat_id: str) -> No
         turn_id = ack["turn_id"]
         cancel_ack, (event,) = await cancel(ws, chat_id, 1, id="c1")
         assert cancel_ack["type"] == "ack" and cancel_ack["id"] == "c1"
-        assert cancel_ack["seq"] == 3 and cancel_ack["duplicate"] is False
-        assert event["type"] == "cancel_requested" and event["seq"] == 3
+        assert cancel_ack["seq"] == 4 and cancel_ack["duplicate"] is False
+        assert event["type"] == "cancel_requested" and event["seq"] == 4
         assert event["data"] == {"turn_id": turn_id}
         # Cancelling is a request to the agent: the turn still runs until it ends it.
         assert (await conversation(gateway, user, chat_id))["status"] == "running"
@@ -298,8 +307,8 @@ async def test_cancel_during_a_turn(gateway: Any, user: str, chat_id: str) -> No
         assert late["id"] == 2 and late["chat_id"] == chat_id
         await pong(ws)
     stored = await history(gateway, user, chat_id)
-    assert [e["type"] for e in stored] == ["user_message", "turn_start", "cancel_requested",
-                                           "turn_end"]
+    assert [e["type"] for e in stored] == ["user_message", "turn_start", "head",
+                                           "cancel_requested", "turn_end"]
 
 
 async def test_cancel_with_no_turn_and_on_someone_elses_chat(gateway: Any, user: str,
@@ -314,7 +323,7 @@ async def test_cancel_with_no_turn_and_on_someone_elses_chat(gateway: Any, user:
         assert error["type"] == "error" and error["code"] == "forbidden"
         await pong(intruder)
     assert [e["type"] for e in await history(gateway, user, chat_id)] == [
-        "user_message", "turn_start"]
+        "user_message", "turn_start", "head"]
 
 
 # --- titles -----------------------------------------------------------------------------
@@ -437,7 +446,7 @@ async def test_invalid_turn_end_and_title_events_are_refused(gateway: Any, user:
     resp = await post_events(gateway, chat_id, {"type": "title", "data": {}})
     assert resp.status_code in (400, 422) and "title" in resp.json()["error"]["message"]
     state = await conversation(gateway, user, chat_id)
-    assert state["status"] == "running" and state["last_seq"] == 2
+    assert state["status"] == "running" and state["last_seq"] == 3
 
 
 async def test_publishing_needs_a_service_token(gateway: Any, user: str, chat_id: str) -> None:
@@ -488,7 +497,7 @@ async def test_list_is_newest_first_with_previews_and_pages(gateway: Any, user: 
             await later_than(ws, last_ts)
             await ws.subscribe(chat)
             text = long_text if i == 1 else f"message {i}"
-            _, (_, start) = await message_and_reply(ws, chat, text, f"m-{i}")
+            _, (_, start, _) = await message_and_reply(ws, chat, text, f"m-{i}")
             last_ts = start["ts"]
         # Chat 0 gets a second message: it becomes the newest, with the new preview.
         await later_than(ws, last_ts)

@@ -31,11 +31,12 @@ import time
 import zlib
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS as SLOTS
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 
 from ..config import Settings
 from .pipeline import Script
@@ -46,6 +47,19 @@ log = logging.getLogger("gateway.inbox")
 HANDOFF_GRACE = 5.0  # seconds from staging a hand-off until a sweeper may do it itself
 HANDED_KEEP_MS = 3_600_000  # how long a hand-off is remembered: far past any late publish
 DEFAULT_PARTITIONS = Settings().inbox_partitions
+
+
+class InboxGroup(NamedTuple):
+    """A consumer group of one inbox partition, as ``XINFO GROUPS`` tells it."""
+
+    partition: int
+    group: str
+    lag: int | None  # entries the group has not read yet (None: the server cannot tell)
+    pending: int  # read by a worker, not acknowledged yet
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
@@ -212,6 +226,28 @@ class AgentInbox:
     async def untrack_turn(self, chat_id: str, turn_id: str) -> None:
         await self.store.pipeline.execute(
             "ZREM", self.partition(chat_id).turns, f"{chat_id} {turn_id}")
+
+    # --- what /metrics samples ---------------------------------------------------------
+
+    async def groups(self) -> list[InboxGroup]:
+        """Every consumer group of every partition: its lag and pending entries."""
+        replies = await asyncio.gather(*(self.store.backend.client.xinfo_groups(p.inbox)
+                                         for p in self.partitions), return_exceptions=True)
+        found = []
+        for n, reply in enumerate(replies):
+            if isinstance(reply, ResponseError):
+                continue  # no such key: no message yet, and no group
+            if isinstance(reply, BaseException):
+                raise reply
+            for group in reply:
+                lag = group.get("lag")
+                found.append(InboxGroup(n, _text(group["name"]), None if lag is None
+                                        else int(lag), int(group.get("pending") or 0)))
+        return found
+
+    async def running(self) -> list[int]:
+        """How many turns run (have a deadline), per partition."""
+        return [int(count) for count in await self._each("ZCARD", "turns")]
 
     async def _each(self, command: str, key: str, *args: Any) -> list[Any]:
         """``command`` on one kind of key of every partition: one call per key (each in

@@ -26,6 +26,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, RedisError
 
 from ..config import Settings
+from .counters import REDIS
 
 log = logging.getLogger("gateway.backend")
 
@@ -159,6 +160,7 @@ class Backend:
 
     @staticmethod
     async def _reload(client: RedisCluster) -> None:
+        REDIS.slot_map_reloads += 1
         try:
             await client.nodes_manager.initialize()
         except (RedisError, OSError) as exc:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from redis.exceptions import AskError, RedisError, ResponseError
 
 from .backend import Backend, Node
+from .counters import REDIS
 from .pubsub import ShardReader
 
 log = logging.getLogger("gateway.channels")
@@ -240,6 +241,7 @@ class Channels:
                 if old is not new:
                     old.remove([channel])
                     self._owner[channel] = new
+                    REDIS.pubsub_reroutes += 1
                 new.add([channel])
             owners = set(self._owner.values())
             primaries = set(self._backend.primaries())

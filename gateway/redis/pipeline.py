@@ -36,8 +36,10 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .backend import Backend, Node
+from .counters import REDIS
 
 MAX_REDIRECTS = 5  # per command: a slot that keeps moving is a cluster in trouble
 
@@ -83,6 +85,11 @@ class AutoPipeline:
     async def execute(self, *args: Any) -> Any:
         """One command, routed by its first argument's key; its raw reply."""
         return await self._enqueue(_Call(args, None, False, self._future()))
+
+    def issue(self, *args: Any) -> asyncio.Future[Any]:
+        """:meth:`execute`, queued now: it leaves ahead of whatever is issued after it in
+        this loop turn (on the same node, it runs before them)."""
+        return self._enqueue(_Call(args, None, False, self._future()))
 
     async def evalsha(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
         """A script (its keys must share a slot); its raw reply."""
@@ -138,12 +145,16 @@ class AutoPipeline:
         try:
             replies = await _round_trip(node, commands)
         except Exception as exc:  # the round trip itself failed: every caller hears it
+            timeout = isinstance(exc, (TimeoutError, RedisTimeoutError))
+            REDIS.command_errors["timeout" if timeout else "connection"] += len(calls)
             for call in calls:
                 _settle(call, exc)
             if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
                 await self._backend.refresh()  # the node may have failed over
             return
         acked = replies.pop() if durable else None
+        if durable:
+            _count_wait(acked, self._wait[0])
         for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, NoScriptError):  # a restart, SCRIPT FLUSH, a new primary
                 reply = await self._alone(node, call)
@@ -153,8 +164,11 @@ class AutoPipeline:
             if isinstance(reply, (AskError, TryAgainError, ClusterDownError)) \
                     and call.redirects < MAX_REDIRECTS:
                 call.redirects += 1
+                REDIS.redirects[_REDIRECTS.get(type(reply), "other")] += 1
                 await self._redirect(call, reply)
                 continue
+            if isinstance(reply, Exception):
+                REDIS.command_errors["reply"] += 1
             _settle(call, (reply, acked) if call.durable and not isinstance(reply, Exception)
                     else reply)
 
@@ -189,6 +203,17 @@ class AutoPipeline:
             await asyncio.sleep(0.05 * call.redirects)
             await self._backend.refresh()
         self._enqueue(call)
+
+
+_REDIRECTS = {MovedError: "moved", AskError: "ask", TryAgainError: "tryagain",
+              ClusterDownError: "clusterdown"}
+
+
+def _count_wait(acked: Any, wanted: int) -> None:
+    if isinstance(acked, int) and acked >= wanted:
+        REDIS.wait_met += 1
+    else:
+        REDIS.wait_short += 1
 
 
 def _settle(call: _Call, reply: Any) -> None:

@@ -27,6 +27,7 @@ from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from .backend import Node
+from .counters import REDIS
 
 log = logging.getLogger("gateway.pubsub")
 
@@ -142,6 +143,7 @@ class ShardReader:
                     return
                 self._listener.on_down(self, exc)
                 if was_connected:
+                    REDIS.pubsub_reconnects += 1
                     log.warning("pub/sub connection to %s lost (%s); reconnecting",
                                 self.node.name, exc)
                 await asyncio.sleep(backoff)

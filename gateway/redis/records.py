@@ -28,6 +28,27 @@ class OutEvent(msgspec.Struct, frozen=True, kw_only=True):
     fill: bool = False  # a commit without text: it takes the stream's text
 
 
+class TreeOp(msgspec.Struct, frozen=True, kw_only=True):
+    """A batch that changes the conversation tree (``publish.lua`` documents each kind)."""
+
+    kind: str  # message | retry | edit | undo | switch
+    by: str  # who asks: the head event's "by"
+    expected_head: str | msgspec.UnsetType | None = msgspec.UNSET  # None: no head expected
+    cancel: bool = False  # end a running turn first, instead of being refused
+    node: str = ""  # edit: the message it replaces; switch: the node it goes to
+    msg_id: str = ""  # message, edit: the new user message's id
+
+
+class TakenMessage(msgspec.Struct, frozen=True):
+    """The user message a retry answers again, or that an undo takes back."""
+
+    msg_id: str
+    seq: int
+    text: str
+    client_msg_id: str
+    data: msgspec.Raw | None = None
+
+
 class Published(msgspec.Struct, frozen=True):
     """What one publish did (``publish.lua``'s reply)."""
 
@@ -41,6 +62,10 @@ class Published(msgspec.Struct, frozen=True):
     created: bool = False  # this batch created the conversation
     listed: bool = False  # the owner's conversation list and feed must hear of it
     feed: str | None = None  # the feed frame that tells them
+    head: str = ""  # the conversation's head after the batch ("" for none)
+    cancelled: str | None = None  # the running turn a tree operation ended first
+    message: TakenMessage | None = None  # retry, undo: the message answered again, taken back
+    msg_id: str | None = None  # the user message the batch added
 
 
 class Meta(msgspec.Struct, frozen=True):
@@ -57,6 +82,7 @@ class Meta(msgspec.Struct, frozen=True):
     preview: str | None
     created_at: int
     updated_at: int
+    head: str | None = None  # the node the next message follows
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -85,6 +111,7 @@ class Meta(msgspec.Struct, frozen=True):
             preview=text("preview"),
             created_at=number("created_at") or 0,
             updated_at=number("updated_at") or number("created_at") or 0,
+            head=text("head"),
         )
 
 
@@ -96,6 +123,52 @@ class OpenStream(msgspec.Struct, frozen=True):
     turn_id: str
     text: str
     pos: int
+
+
+class Fork(msgspec.Struct, frozen=True):
+    """A node on the active path that has siblings: all of them, and where it stands."""
+
+    siblings: list[str]
+    index: int
+
+
+class PathPage(msgspec.Struct, frozen=True):
+    """A page of the active path's events (``history.lua``'s reply)."""
+
+    meta: Meta
+    events: list[bytes]  # the frames, as stored
+    scanned: int  # the last seq looked at: the next page starts after it
+    forks: dict[str, Fork]
+
+
+class TreeNode(msgspec.Struct, frozen=True):
+    """One node of the conversation tree: a user message or a turn."""
+
+    id: str
+    kind: str  # "user" | "turn"
+    parent_id: str | None
+    seq: int  # the seq of its first event (user_message, turn_start)
+    preview: str | None  # a user message's preview
+    children: list[str]
+    last_child: str | None  # the child last on the active path
+
+
+class Tree(msgspec.Struct, frozen=True):
+    """The whole conversation tree (``tree_read.lua``'s reply, decoded)."""
+
+    head: str | None
+    nodes: list[TreeNode]  # by seq
+    roots: list[str]  # the first messages (siblings when the first was edited)
+    last_root: str | None  # the first message on the last active path
+
+    def leaf(self, node_id: str) -> str:
+        """The leaf last active below ``node_id``."""
+        by_id = {n.id: n for n in self.nodes}
+        node = by_id.get(node_id)
+        while node is not None and node.last_child:
+            node_id = node.last_child
+            node = by_id.get(node_id)
+        return node_id
 
 
 class History(msgspec.Struct, frozen=True):

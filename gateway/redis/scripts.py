@@ -15,29 +15,41 @@ import msgspec
 
 from ..config import Settings
 from ..errors import Rejected
-from .keys import idem_key, log_key, meta_key, room_channel, text_key
+from .keys import idem_key, log_key, meta_key, room_channel, text_key, tree_key
 from .pipeline import Script
-from .records import History, Meta, OpenStream, OutEvent, Published
+from .records import (
+    Fork,
+    History,
+    Meta,
+    OpenStream,
+    OutEvent,
+    PathPage,
+    Published,
+    Tree,
+    TreeNode,
+    TreeOp,
+)
 
 
-def load(name: str) -> Script:
-    """A script with ``lua/lib.lua`` (the shared functions) in front of it."""
+def load(*names: str) -> Script:
+    """Scripts joined, with ``lua/lib.lua`` (the shared functions) in front of them."""
     lua = resources.files(__package__).joinpath("lua")
-    return Script(lua.joinpath("lib.lua").read_text() + lua.joinpath(name).read_text())
+    return Script("".join(lua.joinpath(name).read_text() for name in ("lib.lua", *names)))
 
 
 Call = tuple[Script, list[str], list[Any]]  # a script, its keys and its arguments
 
 
 def _conversation_keys(chat_id: str, settings: Settings) -> list[str]:
-    """The keys every conversation script gets: meta, log, the text keys."""
-    return [meta_key(chat_id), log_key(chat_id),
+    """The keys every conversation script gets: meta, log, tree, the text keys."""
+    return [meta_key(chat_id), log_key(chat_id), tree_key(chat_id),
             *(text_key(chat_id, kind) for kind in settings.stream_types)]
 
 
 class _ErrorBody(msgspec.Struct, frozen=True):
     code: str
     message: str
+    head: str | None = None
 
 
 class _Refusal(msgspec.Struct, frozen=True):
@@ -59,25 +71,34 @@ def script_arg(event: OutEvent) -> str:
     return event.attempt
 
 
+def _op_args(op: TreeOp | None) -> list[str]:
+    """ARGV[11..16] of ``publish.lua``: the tree operation, or none."""
+    if op is None:
+        return ["", "", "0", "", "", ""]
+    expected = op.expected_head
+    return [op.kind, "" if expected is msgspec.UNSET else "^" if expected is None else expected,
+            "1" if op.cancel else "0", op.node, op.by, op.msg_id]
+
+
 class PublishScript:
     """``publish.lua``: append a batch of events to one conversation."""
 
     def __init__(self, settings: Settings) -> None:
-        self.script = load("publish.lua")
+        self.script = load("tree.lua", "publish.lua")
         self._settings = settings
         self._types = ",".join(settings.stream_types)
         self._decode = msgspec.json.Decoder(Published).decode
         self._refusal = msgspec.json.Decoder(_Refusal).decode
 
     def call(self, chat_id: str, events: list[OutEvent], *, fresh: str, create_owner: str,
-             writer: str, idempotency_key: str | None) -> Call:
+             writer: str, idempotency_key: str | None, op: TreeOp | None = None) -> Call:
         s = self._settings
         keys = _conversation_keys(chat_id, s)
         if idempotency_key is not None:
             keys.append(idem_key(chat_id, idempotency_key))
         args: list[Any] = [room_channel(chat_id), s.history_maxlen, s.idempotency_ttl,
                            create_owner, fresh, chat_id, len(events), writer, self._types,
-                           s.stream_max_bytes]
+                           s.stream_max_bytes, *_op_args(op)]
         for event in events:
             args += [event.type, "1" if event.durable else "0", event.data, script_arg(event)]
         return self.script, keys, args
@@ -89,7 +110,8 @@ class PublishScript:
             return result
         except msgspec.ValidationError:
             refusal = self._refusal(reply)
-            raise Rejected(refusal.error.code, refusal.error.message) from None
+            error = refusal.error
+            raise Rejected(error.code, error.message, error.head) from None
 
 
 class _ReadReply(msgspec.Struct, frozen=True):
@@ -154,3 +176,71 @@ class RotateScript:
 
     def call(self, chat_id: str, epoch: str, fresh: str) -> Call:
         return self.script, [meta_key(chat_id)], [epoch, fresh]
+
+
+class _PathReply(msgspec.Struct, frozen=True):
+    meta: dict[str, str] | None = None
+    scanned: int = 0
+    forks: dict[str, Fork] = {}
+    events: list[msgspec.Raw] = []
+
+
+class HistoryScript:
+    """``history.lua``: a page of the active path's events, and its forks."""
+
+    def __init__(self) -> None:
+        self.script = load("tree.lua", "history.lua")
+        self._decode = msgspec.json.Decoder(_PathReply).decode
+
+    def call(self, chat_id: str, after: int, limit: int, tip: str = "") -> Call:
+        return self.script, [meta_key(chat_id), log_key(chat_id), tree_key(chat_id)], [
+            after, limit, tip]
+
+    def decode(self, reply: bytes) -> PathPage | None:
+        r = self._decode(reply)
+        meta = Meta.from_fields(r.meta) if r.meta is not None else None
+        if meta is None:
+            return None
+        return PathPage(meta, [bytes(e) for e in r.events], r.scanned, r.forks)
+
+
+class _NodeRecord(msgspec.Struct, frozen=True):
+    k: str = ""
+    p: str = ""
+    s: int = 0
+    c: str = ""
+    l: str = ""  # noqa: E741 (tree.lua's field name)
+    v: str = ""
+
+
+class _TreeReply(msgspec.Struct, frozen=True):
+    head: str | None = None
+    nodes: dict[str, str] = {}
+
+
+class TreeScript:
+    """``tree_read.lua``: every node of the tree, and the head."""
+
+    ROOT = "^"  # tree.lua's root record: the first messages
+
+    def __init__(self) -> None:
+        self.script = load("tree_read.lua")
+        self._decode = msgspec.json.Decoder(_TreeReply).decode
+        self._record = msgspec.json.Decoder(_NodeRecord).decode
+
+    def call(self, chat_id: str) -> Call:
+        return self.script, [meta_key(chat_id), tree_key(chat_id)], []
+
+    def decode(self, reply: bytes) -> Tree | None:
+        r = self._decode(reply)
+        if r.head is None:
+            return None
+        records = {node_id: self._record(raw) for node_id, raw in r.nodes.items()}
+        root = records.pop(self.ROOT, _NodeRecord())
+        nodes = sorted((TreeNode(
+            id=node_id, kind=rec.k, parent_id=rec.p or None, seq=rec.s,
+            preview=rec.v or None, children=[c for c in rec.c.split(",") if c],
+            last_child=rec.l or None) for node_id, rec in records.items()),
+            key=lambda n: n.seq)
+        return Tree(head=r.head or None, nodes=nodes,
+                    roots=[c for c in root.c.split(",") if c], last_root=root.l or None)

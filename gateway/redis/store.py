@@ -10,15 +10,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+from time import perf_counter
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from ..config import Settings
 from ..errors import Rejected
 from .backend import Backend
+from .counters import REDIS
 from .keys import feed_channel, index_key, meta_key
 from .pipeline import AutoPipeline
-from .records import History, Meta, OutEvent, Published
-from .scripts import DeleteScript, PublishScript, ReadScript, RotateScript
+from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
+from .scripts import (
+    DeleteScript,
+    HistoryScript,
+    PublishScript,
+    ReadScript,
+    RotateScript,
+    TreeScript,
+)
 
 
 class NotReplicated(Rejected):
@@ -46,6 +57,13 @@ class Epochs:
         return f"{self._prefix}{next(self._count):x}"
 
 
+def _observe_turn(ended_at: int, started_at: asyncio.Future[Any]) -> None:
+    """A turn ended at ``ended_at`` (ms, the server's clock): observe how long it ran."""
+    if started_at.done() and not started_at.cancelled() and started_at.exception() is None \
+            and started_at.result():
+        REDIS.turn_seconds.observe(max(0, ended_at - int(started_at.result())) / 1000)
+
+
 def _text_fields(reply: Any) -> dict[str, str]:
     """A hash as HGETALL gives it (a flat list in RESP2, a map in RESP3), as text."""
     if not isinstance(reply, dict):
@@ -68,6 +86,9 @@ class Store:
         self._read = ReadScript(settings)
         self._delete = DeleteScript(settings)
         self._rotate = RotateScript()
+        self._path = HistoryScript()
+        self._tree = TreeScript()
+        self._streamed = frozenset(settings.stream_types)
 
     async def publish(
         self,
@@ -77,21 +98,47 @@ class Store:
         create_owner: str = "",
         idempotency_key: str | None = None,
         writer: str = "",
+        op: TreeOp | None = None,
     ) -> Published:
-        """Append ``events`` in order; raise :class:`Rejected` if the state refuses them."""
-        reply, replicas = await self.pipeline.evalsha_durable(*self._publish.call(
-            chat_id, events, fresh=self._new_epoch(), create_owner=create_owner,
-            writer=writer, idempotency_key=idempotency_key))
-        result = self._publish.decode(reply)
-        if result.listed and result.feed is not None:
-            await self._tell_owner(result.owner, result.feed, "ZADD", result.ts, chat_id)
-        self.check_replicated(replicas, result)  # stored either way: list and feed tell it
-        return result
+        """Append ``events`` in order, as the tree operation ``op`` if given; raise
+        :class:`Rejected` if the state refuses them."""
+        began = perf_counter()
+        streamed, started_at = 0, None
+        for event in events:  # what the counters need of the batch
+            if not event.durable and event.type in self._streamed:
+                streamed += len(event.data)
+            elif event.type == "turn_end" and started_at is None:
+                # Read in the same batch, just ahead of the script that clears it.
+                started_at = self.pipeline.issue("HGET", meta_key(chat_id), "started_at")
+        try:
+            reply, replicas = await self.pipeline.evalsha_durable(*self._publish.call(
+                chat_id, events, fresh=self._new_epoch(), create_owner=create_owner,
+                writer=writer, idempotency_key=idempotency_key, op=op))
+            result = self._publish.decode(reply)
+            if not result.duplicate:
+                REDIS.streamed_bytes += streamed
+                if started_at is not None:
+                    _observe_turn(result.ts, started_at)
+            if result.listed and result.feed is not None:
+                await self._tell_owner(result.owner, result.feed, "ZADD", result.ts, chat_id)
+            self.check_replicated(replicas, result)  # stored either way: list and feed tell it
+            return result
+        except Rejected as exc:
+            REDIS.publish_errors[exc.code] += 1
+            raise
+        except (RedisError, OSError):
+            REDIS.publish_errors["backend_unavailable"] += 1
+            raise
+        finally:
+            REDIS.publish_seconds.observe(perf_counter() - began)
+            if started_at is not None and started_at.done() and not started_at.cancelled():
+                started_at.exception()  # retrieved: a failed read is the publish's failure
 
     def check_replicated(self, replicas: int | None, result: Published | None = None) -> None:
         """Acknowledged means as durable as configured: so many replicas have it."""
         wanted = self.settings.wait_replicas
         if replicas is not None and replicas < wanted:
+            REDIS.replication_timeouts += 1
             raise NotReplicated(f"stored, but {replicas} of {wanted} replicas confirmed within "
                                 f"{self.settings.wait_timeout_ms} ms; retry with the same "
                                 "idempotency key", result)
@@ -115,6 +162,17 @@ class Store:
         if history.created and meta is not None and history.feed is not None:
             await self._tell_owner(meta.owner, history.feed, "ZADD", meta.created_at, chat_id)
         return history
+
+    async def active_path(self, chat_id: str, after: int, limit: int,
+                          tip: str = "") -> PathPage | None:
+        """A page of the active path, or of the path to ``tip`` (None if the conversation
+        does not exist)."""
+        return self._path.decode(await self.pipeline.evalsha(
+            *self._path.call(chat_id, after, limit, tip)))
+
+    async def tree(self, chat_id: str) -> Tree | None:
+        """The whole tree and the head (None if the conversation does not exist)."""
+        return self._tree.decode(await self.pipeline.evalsha(*self._tree.call(chat_id)))
 
     async def rotate_epoch(self, chat_id: str, epoch: str) -> None:
         """Give the conversation a new epoch if it still has ``epoch``: its history went

@@ -66,6 +66,7 @@ from ..redis.agent_inbox import AgentInbox
 from ..redis.backend import Backend, Client
 from ..redis.records import Meta, Published
 from ..redis.store import Store
+from .context import Message, messages_of, window
 
 log = logging.getLogger("gateway.agent")
 
@@ -178,6 +179,24 @@ class Turn:
     async def reasoning(self, text: str) -> None:
         """A piece of visible reasoning (``reasoning_delta``)."""
         await self._stream("reasoning_delta", text)
+
+    async def history(self, max_messages: int = 120, max_tokens: int = 0) -> list[Message]:
+        """The conversation so far, as chat messages (:mod:`gateway.sdk.context`): the path
+        from the first message to this turn's, the edited text where a message was
+        edited; a retried turn sees what the turn it replaces saw. ``max_messages`` and
+        ``max_tokens`` (0: none) bound it from the tail, starting at a user message."""
+        events: list[dict[str, Any]] = []
+        after = 0
+        while True:
+            page = await self.store.active_path(self.chat_id, after, 1000, tip=self.turn_id)
+            if page is None:
+                break
+            events += [e for e in map(_decode_json, page.events)
+                       if e.get("node") != self.turn_id]
+            if not page.events or page.scanned >= page.meta.seq:
+                break
+            after = page.scanned
+        return window(messages_of(events), max_messages, max_tokens)
 
     async def message(self, text: str | None = None, **data: Any) -> Published:
         """The agent's complete message (durable ``message``, ``{text, **data}``). With no

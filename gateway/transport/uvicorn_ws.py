@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from typing import Any, Protocol
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+from ..logs import RedactSecrets
+
 EXTENSION = "gateway.transport"
-_TOKEN_RE = re.compile(r"(token=)[^&\s\"']*")
 
 
 class TransportListener(Protocol):
@@ -38,30 +38,19 @@ class TransportListener(Protocol):
     def on_closing(self) -> None: ...
 
 
-class RedactTokens(logging.Filter):
-    """Replace the value of every ``token=`` query parameter in a log line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "token=" in message:
-            record.msg = _TOKEN_RE.sub(r"\1[redacted]", message)
-            record.args = None
-        return True
-
-
-# Every logger that can print a request line or an ASGI scope: uvicorn's own (accepts,
-# errors, access, and at trace level each scope) and the one websockets' handshake parser
-# is given (at debug level it prints the request line).
+# Every logger that can print a request line, an ASGI scope or a frame: uvicorn's own
+# (accepts, errors, access, and at trace level each scope) and the one websockets' protocol
+# is given (at debug level it prints the request line, headers and every frame).
 _REQUEST_LOGGERS = ("uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 _logger: logging.Logger | None = None
 
 
 def redact_request_logs() -> None:
-    """Keep ``token=`` values out of every uvicorn log line; safe to call again."""
+    """Keep tokens and frame payloads out of every uvicorn log line; safe to call again."""
     for name in _REQUEST_LOGGERS:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactTokens) for f in logger.filters):
-            logger.addFilter(RedactTokens())
+        if not any(isinstance(f, RedactSecrets) for f in logger.filters):
+            logger.addFilter(RedactSecrets())
 
 
 def redacting_logger() -> logging.Logger:
@@ -72,7 +61,7 @@ def redacting_logger() -> logging.Logger:
     global _logger
     if _logger is None:
         _logger = logging.getLogger("uvicorn.error.gateway")
-        _logger.addFilter(RedactTokens())
+        _logger.addFilter(RedactSecrets())
         # uvicorn compares ``self.logger.level`` against TRACE before formatting trace lines.
         _logger.setLevel(logging.getLogger("uvicorn.error").getEffectiveLevel())
     return _logger

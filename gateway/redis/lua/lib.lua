@@ -69,5 +69,6 @@ local function announce(chat, m, now, created)
     ',"status":"' .. m.status .. '","updated_at":' .. now .. ',"last_seq":' .. m.seq ..
     ',"goal_state":' .. (m.goal ~= '' and m.goal or 'null') ..
     ',"preview":' .. (m.preview ~= '' and cjson.encode(m.preview) or 'null') ..
+    ',"head":' .. ((m.head or '') ~= '' and cjson.encode(m.head) or 'null') ..
     ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}'
 end

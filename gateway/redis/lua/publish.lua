@@ -1,9 +1,9 @@
 -- Append a batch of events to one conversation, atomically, in one round trip.
 -- gateway/redis/scripts.py (PublishScript) builds these arguments and decodes the reply.
 --
--- KEYS[1] meta hash, KEYS[2] event log (a Redis Stream)
--- KEYS[3 .. 2+k] the text key of each streamed type, in ARGV[9]'s order
--- KEYS[3+k] idempotency key (optional)
+-- KEYS[1] meta hash, KEYS[2] event log (a Redis Stream), KEYS[3] the tree (tree.lua)
+-- KEYS[4 .. 3+k] the text key of each streamed type, in ARGV[9]'s order
+-- KEYS[4+k] idempotency key (optional)
 -- ARGV[1] room channel (a sharded channel in the conversation's slot)
 -- ARGV[2] log max length      ARGV[3] idempotency ttl (s)
 -- ARGV[4] owner to create the conversation for when it does not exist ("" = must exist)
@@ -13,6 +13,11 @@
 -- ARGV[8] writer: the user who must own the conversation ("" = anyone, e.g. a service)
 -- ARGV[9] streamed types, comma-separated (k of them)
 -- ARGV[10] most bytes of text one stream may hold
+-- ARGV[11] the tree operation this batch is ("" none, or message, retry, edit, undo, switch)
+-- ARGV[12] the head the operation expects ("" any, "^" none, else a node id)
+-- ARGV[13] "1": cancel a running turn first (else the operation is refused while one runs)
+-- ARGV[14] the operation's node: the message an edit replaces, the node a switch goes to
+-- ARGV[15] who asks (the head event's "by")   ARGV[16] the msg_id of this batch's message
 -- then 4 per event: type, durable ("1"/"0"), data (JSON, or raw text for title), and one
 -- argument whose meaning depends on the type (OutEvent.script_arg):
 --   user_message  the preview (<= 120 chars), remembered for the conversation list
@@ -35,10 +40,24 @@
 -- "full:<type>" = "<turn id> <attempt>", until a commit or the turn's end): its text stays a
 -- prefix of what the agent sent, never a text with a hole in the middle.
 --
+-- A tree operation (tree.lua has the tree): `message` adds a user_message under the head
+-- and its turn under it; `retry` a new turn answering the head turn's message; `edit` a
+-- new user message beside the one it replaces, and its turn; `undo` moves the head to the
+-- parent of the path's last user message; `switch` to the leaf last active under a node.
+-- The head moves to the new turn (or there), as one durable `head` event after the rest.
+-- With a turn running and ARGV[13] = "1", that turn ends first (reason cancelled, its open
+-- streams committed as partials on its branch).
+--
+-- Every durable event of a node is stored with its node id (log field "n"; "" for the
+-- conversation-level types title, goal_state and head) and its frame carries "node".
+--
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
--- this batch started or cancelled), "created", "feed" (the feed frame to announce, when
--- listed)} or {"error": {"code", "message"}}. The feed lives in the owner's slot: the store
+-- this batch started or cancelled), "created", "head" (the head after), "cancelled" (the
+-- turn a cancel: true ended), "message" (retry and undo: {msg_id, seq, text,
+-- client_msg_id, data} of the message answered again or taken back), "msg_id" (the user
+-- message this batch added), "feed" (the feed
+-- frame to announce, when listed)} or {"error": {"code", "message", "head"}}. The feed lives in the owner's slot: the store
 -- publishes it after the script. Every durable event is stored as entry "<seq>-0".
 
 local meta, log = KEYS[1], KEYS[2]
@@ -46,25 +65,35 @@ local channel, chat = ARGV[1], ARGV[6]
 local maxlen = tonumber(ARGV[2])
 local n = tonumber(ARGV[7])
 local max_text = tonumber(ARGV[10])
-local base = 11  -- ARGV index of the first event
+local base = 17  -- ARGV index of the first event
+local op, expected, cancel, target, by, msg_id =
+  ARGV[11], ARGV[12], ARGV[13] == '1', ARGV[14], ARGV[15], ARGV[16]
+local tree = KEYS[3]
 
 local text_key, commit_type, streamed_type = {}, {}, {}
 local k = 0
 for typ in string.gmatch(ARGV[9], '[^,]+') do
   k = k + 1
-  text_key[typ] = KEYS[2 + k]
+  text_key[typ] = KEYS[3 + k]
   local commit = typ == 'delta' and 'message' or string.sub(typ, 1, -7)
   commit_type[typ], streamed_type[commit] = commit, typ
 end
-local idem = KEYS[3 + k]
+local idem = KEYS[4 + k]
 
-local function refuse(code, message)
-  return cjson.encode({error = {code = code, message = message}})
+local function refuse(code, message, head)
+  return cjson.encode({error = {code = code, message = message, head = head}})
+end
+
+-- The batch's events: {type, durable, data, arg}; a cancel puts a turn_end in front.
+local events = {}
+for i = 0, n - 1 do
+  local at = base + i * 4
+  events[#events + 1] = {ARGV[at], ARGV[at + 1] == '1', ARGV[at + 2], ARGV[at + 3]}
 end
 
 local function event(i)
-  local at = base + i * 4
-  return ARGV[at], ARGV[at + 1] == '1', ARGV[at + 2], ARGV[at + 3]
+  local e = events[i + 1]
+  return e[1], e[2], e[3], e[4]
 end
 
 -- A commit's argument: "<attempt>" or "<attempt> fill".
@@ -132,10 +161,69 @@ local function delta_text(data)
   return ''
 end
 
+-- The tree operation's preconditions, against the state before the batch.
+local head_before = m.head or ''
+local new_head, cause = nil, op
+local answered = nil  -- the user message a new turn answers (retry), or that undo takes back
+local parent_of_message = head_before  -- where this batch's user_message goes
+local edit_of = nil
+local cancelled = nil
+local function shown(id) return id == '' and 'none' or id end
+local function read_message(id, node)
+  local entry = redis.call('XRANGE', log, node.s .. '-0', node.s .. '-0')[1]
+  local frame = entry and cjson.decode(entry[2][2]) or {data = {}}
+  local data = frame.data or {}
+  return {msg_id = id, seq = node.s, text = data.text or '', client_msg_id = data.client_msg_id or '',
+          data = data.data}
+end
+if op ~= '' then
+  if expected ~= '' and (expected == '^' and '' or expected) ~= head_before then
+    return refuse('conflict', 'the head is ' .. shown(head_before) .. ', not ' ..
+                  shown(expected == '^' and '' or expected), head_before)
+  end
+  if m.status == 'running' then
+    if not cancel then
+      return refuse('turn_in_progress', 'turn ' .. m.turn_id .. ' is still running; send ' ..
+                    'cancel: true to stop it first', head_before)
+    end
+    cancelled = m.turn_id
+    table.insert(events, 1, {'turn_end', true, '{"reason":"cancelled"}', ''})
+    n = n + 1
+  end
+  if op == 'retry' then
+    local node = head_before ~= '' and node_get(tree, head_before)
+    if not node or node.k ~= 'turn' or node.p == '' then
+      return refuse('nothing_to_retry', 'the head is not an answer to retry', head_before)
+    end
+    answered = read_message(node.p, node_get(tree, node.p))
+  elseif op == 'edit' then
+    local node = node_get(tree, target)
+    if not node or node.k ~= 'user' then
+      return refuse('not_found', 'no user message ' .. target .. ' in this conversation', head_before)
+    end
+    local _, on_path = path_to(tree, head_before)
+    if not on_path[target] then
+      return refuse('not_on_path', 'message ' .. target .. ' is not on the active path', head_before)
+    end
+    parent_of_message, edit_of = node.p, target
+  elseif op == 'undo' then
+    local id, node = last_user(tree, head_before)
+    if not id then return refuse('nothing_to_undo', 'no message to undo', head_before) end
+    answered = read_message(id, node)
+    new_head = node.p
+  elseif op == 'switch' then
+    if target == ROOT or not node_get(tree, target) then
+      return refuse('not_found', 'no node ' .. target .. ' in this conversation', head_before)
+    end
+    new_head = last_leaf(tree, target)
+  end
+end
+
 -- First pass: check every precondition against the state the batch would create,
 -- so a refused batch writes nothing (but the mark of a stream refused for size).
 local status, turn = m.status, m.turn_id
-local streamed_bytes = {}  -- type -> bytes the open stream would hold
+local streamed_bytes = {}
+local started = nil  -- type -> bytes the open stream would hold
 for i = 0, n - 1 do
   local typ, durable, data, arg = event(i)
   if typ == 'turn_start' then
@@ -143,6 +231,7 @@ for i = 0, n - 1 do
       return refuse('turn_in_progress', 'turn ' .. turn .. ' is still running')
     end
     status, turn = 'running', arg
+    started = arg
   elseif typ == 'turn_end' or typ == 'cancel_requested' then
     if status ~= 'running' then return refuse('no_active_turn', 'no turn is running') end
     if arg ~= '' and arg ~= turn then
@@ -179,13 +268,25 @@ local changed = created  -- fields other than seq, updated_at and streams change
 local touched = {}  -- stream headers to write back
 local opened = 0
 local started_or_cancelled = nil
+local message_node = nil  -- the user_message this batch added
+local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true}
 
-local function emit(typ, durable, data, stream_part)
+-- The node a durable event belongs to ("" for the conversation itself).
+local function node_of(typ, arg)
+  if CONVERSATION_LEVEL[typ] then return '' end
+  if typ == 'user_message' then return msg_id end
+  if typ == 'turn_start' then return arg end
+  return m.turn_id or ''
+end
+
+local function emit(typ, durable, data, stream_part, node)
   local head = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat)
   if durable then
     seq = seq + 1
+    node = node or ''
+    if node ~= '' then head = head .. ',"node":' .. cjson.encode(node) end
     local frame = head .. ',"seq":' .. seq .. ',"ts":' .. now .. ',"data":' .. data .. '}'
-    redis.call('XADD', log, 'MAXLEN', '~', maxlen, seq .. '-0', 'f', frame)
+    redis.call('XADD', log, 'MAXLEN', '~', maxlen, seq .. '-0', 'f', frame, 'n', node)
     redis.call('SPUBLISH', channel, envelope(m.epoch, seq, nil, nil, frame))
     return seq
   end
@@ -207,15 +308,26 @@ local function splice(data, fields)
   return '{' .. fields .. ',' .. string.sub(data, 2)
 end
 
+local function id_or_null(id)
+  return (id and id ~= '') and cjson.encode(id) or 'null'
+end
+
 for i = 0, n - 1 do
   local typ, durable, data, arg = event(i)
   local stream_part = nil
+  local node = durable and node_of(typ, arg) or nil
   if typ == 'user_message' then
     m.preview = arg
+    local fields = '"msg_id":' .. cjson.encode(msg_id) .. ',"parent_id":' .. id_or_null(parent_of_message)
+    if edit_of then fields = fields .. ',"edit_of":' .. cjson.encode(edit_of) end
+    data = splice(data, fields)
+    message_node = msg_id
     changed = true
   elseif typ == 'turn_start' then
+    local parent = answered and op == 'retry' and answered.msg_id or message_node or ''
     m.status, m.turn_id, m.started_at = 'running', arg, tostring(now)
-    data = '{"turn_id":' .. cjson.encode(arg) .. ',"started_at":' .. now .. '}'
+    data = '{"turn_id":' .. cjson.encode(arg) .. ',"started_at":' .. now .. ',"parent_id":' ..
+           id_or_null(parent) .. (op == 'retry' and (',"retry_of":' .. cjson.encode(head_before)) or '') .. '}'
     started_or_cancelled = arg
     listed, changed = true, true
   elseif typ == 'turn_end' then
@@ -225,7 +337,7 @@ for i = 0, n - 1 do
       if s then
         local text = redis.call('GET', key) or ''
         emit(commit_type[streamed], true, '{"text":' .. cjson.encode(text) ..
-             ',"stream_id":' .. cjson.encode(s.id) .. ',"partial":true}')
+             ',"stream_id":' .. cjson.encode(s.id) .. ',"partial":true}', nil, m.turn_id)
         close_stream(streamed)
       end
       if m['full:' .. streamed] then close_stream(streamed) end
@@ -280,7 +392,32 @@ for i = 0, n - 1 do
       touched['st:' .. streamed] = nil
     end
   end
-  seqs[#seqs + 1] = emit(typ, durable, data, stream_part)
+  local at = emit(typ, durable, data, stream_part, node)
+  if i >= (cancelled and 1 or 0) then seqs[#seqs + 1] = at end  -- not the cancel's turn_end
+  if typ == 'user_message' then
+    node_add(tree, msg_id, 'user', parent_of_message, at, arg)
+  elseif typ == 'turn_start' then
+    node_add(tree, arg, 'turn', answered and op == 'retry' and answered.msg_id or message_node or '', at, '')
+  end
+end
+
+-- The head moves last, as one durable event: to the turn the batch started, or where an
+-- undo or a switch goes.
+if started and (op == '' or op == 'message' or op == 'retry' or op == 'edit') then
+  new_head = started
+  if op == '' then cause = 'message' end
+end
+if new_head ~= nil and new_head ~= head_before then
+  mark_active(tree, new_head)
+  m.head = new_head
+  if op == 'undo' or op == 'switch' then
+    local _, last = last_user(tree, new_head)
+    m.preview = last and last.v or ''
+  end
+  emit('head', true, '{"head_id":' .. id_or_null(new_head) .. ',"prev_head_id":' ..
+       id_or_null(head_before) .. ',"cause":' .. cjson.encode(cause) .. ',"by":' ..
+       cjson.encode(by) .. '}', nil, '')
+  listed, changed = true, true
 end
 
 -- Ephemeral-only batches (plain deltas: the hot path) leave the state untouched.
@@ -298,8 +435,10 @@ if not changed then  -- save_meta wrote them otherwise
 end
 
 local result = {epoch = m.epoch, last_seq = seq, owner = m.owner, duplicate = false, ts = now,
-                listed = listed, turn_id = started_or_cancelled, created = created}
-if n > 0 then result.seqs = seqs end
+                listed = listed, turn_id = started_or_cancelled, created = created,
+                head = m.head or '', cancelled = cancelled, message = answered,
+                msg_id = message_node}
+if #seqs > 0 then result.seqs = seqs end
 if idem then
   redis.call('SET', idem, cjson.encode(result), 'EX', tonumber(ARGV[3]))
 end

@@ -1,0 +1,56 @@
+-- A page of the active path: the events of the nodes from the root to the head and the
+-- conversation-level ones, in seq order, and the forks on the path. (lib.lua, tree.lua
+-- first.) gateway/redis/scripts.py (HistoryScript) builds the arguments and decodes it.
+--
+-- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree
+-- ARGV[1] seq to read after, ARGV[2] most events to return, ARGV[3] the node the path ends
+-- at ("" = the head; an agent reads the path to the message its turn answers)
+--
+-- Replies {"meta", "scanned" (the last seq looked at), "forks": {node id: {"siblings",
+-- "index"}} (left out when none), "events": [frame, ...]}, or {} when the conversation
+-- does not exist. Events stored before the tree (no node field) count as the
+-- conversation's own.
+
+local m = load_meta(KEYS[1])
+if not m then return '{}' end
+local log, tree = KEYS[2], KEYS[3]
+local after, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
+local tip = ARGV[3] ~= '' and ARGV[3] or (m.head or '')
+local path, on_path = path_to(tree, tip)
+
+local forks, any = {}, false
+for _, id in ipairs(path) do
+  local node = on_path[id]
+  local siblings = children(node_get(tree, node.p ~= '' and node.p or ROOT))
+  if #siblings > 1 then
+    local index = 0
+    for i, sibling in ipairs(siblings) do
+      if sibling == id then index = i - 1 end
+    end
+    forks[id] = {siblings = siblings, index = index}
+    any = true
+  end
+end
+
+local events, scanned = {}, after
+while #events < limit and scanned < tonumber(m.seq) do
+  local batch = redis.call('XRANGE', log, '(' .. scanned .. '-0', '+', 'COUNT', math.max(limit, 100))
+  if #batch == 0 then break end
+  for _, entry in ipairs(batch) do
+    local fields, node = entry[2], ''
+    for i = 1, #fields, 2 do
+      if fields[i] == 'n' then node = fields[i + 1] end
+    end
+    scanned = tonumber(string.match(entry[1], '^(%d+)'))
+    if node == '' or on_path[node] then
+      events[#events + 1] = fields[2]
+      if #events == limit then break end
+    end
+  end
+end
+
+local reply = {meta = m, scanned = scanned}
+if any then reply.forks = forks end
+local json = cjson.encode(reply)
+if #events == 0 then return json end
+return '{"events":[' .. table.concat(events, ',') .. '],' .. string.sub(json, 2)
