@@ -636,3 +636,210 @@ def test_second_tab_joins_mid_answer(page: Any, browser: Any, demo: GatewayProce
     finally:
         other.close()
     assert not errors, f"uncaught errors in the second page: {errors}"
+
+
+# --- the conversation tree: retry, edit, undo, versions, a second tab -------------------
+
+
+def head_of(page: Any) -> str:
+    """The head the page shows (``none`` before the first message)."""
+    head: str = page.get_by_test_id("chat").get_attribute("data-head")
+    return head
+
+
+def head_moved(page: Any, old: str) -> str:
+    """Wait until the page's head is no longer ``old``; returns the new one."""
+    chat = page.get_by_test_id("chat")
+    expect(chat).not_to_have_attribute("data-head", re.compile(f"^({re.escape(old)})?$"),
+                                       timeout=TURN)
+    return head_of(page)
+
+
+def answered(page: Any, turn_id: str) -> None:
+    """Wait until the turn ``turn_id`` (on the page's path) ended and the page is idle."""
+    expect(page.locator(f'[data-testid="turn-latency"][data-turn-id="{turn_id}"]')).to_have_count(
+        1, timeout=TURN)
+    expect(page.get_by_test_id("send")).to_be_enabled(timeout=TURN)
+
+
+def exchange(page: Any, text: str) -> str:
+    """Send ``text`` and wait for its answer; returns its turn (the head)."""
+    before = head_of(page)
+    send(page, text)
+    head = head_moved(page, before)
+    answered(page, head)
+    return head
+
+
+def fork(page: Any, bar: str, node_id: str) -> Any:
+    """The "i/n" version switch of a node (``bar``: "user-bar" or "turn-bar")."""
+    return page.locator(f'[data-testid="{bar}"][data-node-id="{node_id}"] [data-testid="fork"]')
+
+
+def user_node(page: Any, text: str) -> str:
+    node: str = messages(page, "user").filter(has_text=text).get_attribute("data-node")
+    return node
+
+
+def test_retry_the_last_answer(page: Any, demo: GatewayProcess, user: str) -> None:
+    open_app(page, demo, user)
+    chat_id = new_chat(page)
+    first = exchange(page, "Plan a day in Porto")
+    retry = page.get_by_role("button", name="Retry: answer this message again")
+    expect(retry).to_have_count(1)
+    retry.click()
+    second = head_moved(page, first)
+    answered(page, second)
+    # Only the active path shows: one answer, the second version of two.
+    expect(messages(page, "assistant")).to_have_count(1)
+    expect(messages(page, "assistant")).to_have_attribute("data-node", second)
+    versions = fork(page, "turn-bar", second)
+    expect(versions.get_by_test_id("fork-position")).to_have_text("2/2")
+    assert_transcript(page, demo, user, chat_id)
+    # Back to the first answer, then forward again.
+    versions.get_by_role("button", name="Previous version of this answer").click()
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-head", first, timeout=TURN)
+    expect(messages(page, "assistant")).to_have_attribute("data-node", first)
+    expect(fork(page, "turn-bar", first).get_by_test_id("fork-position")).to_have_text("1/2")
+    assert_transcript(page, demo, user, chat_id)
+    fork(page, "turn-bar", first).get_by_role("button", name="Next version of this answer").click()
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-head", second, timeout=TURN)
+    assert_transcript(page, demo, user, chat_id)
+
+
+def test_edit_a_message_inline(page: Any, demo: GatewayProcess, user: str) -> None:
+    open_app(page, demo, user)
+    chat_id = new_chat(page)
+    exchange(page, "first question")
+    exchange(page, "second question")
+    original = user_node(page, "first question")
+    bar = page.locator(f'[data-testid="user-bar"][data-node-id="{original}"]')
+    bar.get_by_role("button", name="Edit this message").click()
+    editor = page.get_by_test_id("message-editor")
+    expect(editor.get_by_role("textbox", name="Edited message")).to_have_value("first question")
+    editor.get_by_role("textbox", name="Edited message").fill("first question, edited")
+    before = head_of(page)
+    editor.get_by_role("button", name="Send the edited message").click()
+    edited_turn = head_moved(page, before)
+    answered(page, edited_turn)
+    # The edited version replaces the message and everything after it on screen.
+    expect(messages(page, "user")).to_have_text(["first question, edited"])
+    expect(messages(page, "assistant")).to_contain_text(["You said: “first question, edited”"])
+    edited = user_node(page, "first question, edited")
+    expect(fork(page, "user-bar", edited).get_by_test_id("fork-position")).to_have_text("2/2")
+    assert_transcript(page, demo, user, chat_id)
+    # The first version is one click away, with what followed it.
+    fork(page, "user-bar", edited).get_by_role(
+        "button", name="Previous version of this message").click()
+    expect(messages(page, "user")).to_have_text(["first question", "second question"],
+                                                timeout=TURN)
+    expect(fork(page, "user-bar", original).get_by_test_id("fork-position")).to_have_text("1/2")
+    assert_transcript(page, demo, user, chat_id)
+
+
+def test_undo_puts_the_text_back(page: Any, demo: GatewayProcess, user: str) -> None:
+    open_app(page, demo, user)
+    chat_id = new_chat(page)
+    undo = page.get_by_role("button", name="Undo the last message")
+    expect(undo).to_be_disabled()  # nothing said yet
+    exchange(page, "one")
+    kept = head_of(page)
+    exchange(page, "two, with a typo")
+    taken = user_node(page, "two, with a typo")
+    undo.click()
+    expect(page.get_by_test_id("message-input")).to_have_value("two, with a typo", timeout=TURN)
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-head", kept)
+    expect(messages(page, "user")).to_have_text(["one"])
+    expect(messages(page, "assistant")).to_have_count(1)
+    assert_transcript(page, demo, user, chat_id)
+    # Fix it and send again: a new version beside the one taken back.
+    page.get_by_test_id("message-input").fill("two, fixed")
+    page.get_by_test_id("message-input").press("Enter")
+    fixed_turn = head_moved(page, kept)
+    answered(page, fixed_turn)
+    expect(messages(page, "user")).to_have_text(["one", "two, fixed"])
+    fixed = user_node(page, "two, fixed")
+    expect(fork(page, "user-bar", fixed).get_by_test_id("fork-position")).to_have_text("2/2")
+    fork(page, "user-bar", fixed).get_by_role(
+        "button", name="Previous version of this message").click()
+    expect(messages(page, "user")).to_have_text(["one", "two, with a typo"], timeout=TURN)
+    assert user_node(page, "two, with a typo") == taken
+    assert_transcript(page, demo, user, chat_id)
+
+
+def test_versions_after_a_reload(page: Any, demo: GatewayProcess, user: str) -> None:
+    """The forks come from GET .../events on load; a version never loaded is fetched."""
+    open_app(page, demo, user)
+    chat_id = new_chat(page)
+    first = exchange(page, "tell me about tiles")
+    page.get_by_role("button", name="Retry: answer this message again").click()
+    second = head_moved(page, first)
+    answered(page, second)
+    exchange(page, "and about trams")
+
+    page.reload()
+    expect(page.get_by_test_id("app")).to_have_attribute("data-ready", "true", timeout=TURN)
+    synced(page, chat_id)
+    versions = fork(page, "turn-bar", second)
+    expect(versions.get_by_test_id("fork-position")).to_have_text("2/2")
+    assert_transcript(page, demo, user, chat_id)
+    # The first answer's branch was not on the path the page loaded: it is fetched.
+    versions.get_by_role("button", name="Previous version of this answer").click()
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-head", first, timeout=TURN)
+    expect(messages(page, "assistant")).to_have_count(1, timeout=TURN)
+    expect(messages(page, "assistant")).to_have_attribute("data-node", first)
+    expect(messages(page, "user")).to_have_text(["tell me about tiles"])
+    assert_transcript(page, demo, user, chat_id)
+
+
+def test_second_tab_follows_every_move(page: Any, browser: Any, demo: GatewayProcess,
+                                       user: str) -> None:
+    open_app(page, demo, user)
+    chat_id = new_chat(page)
+    first = exchange(page, "hello there")
+    other = browser.new_page()
+    errors: list[str] = []
+    other.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        open_app(other, demo, user, chat=chat_id)
+        synced(other, chat_id)
+        expect(other.get_by_test_id("chat")).to_have_attribute("data-head", first)
+
+        def both(head: str, users: list[str]) -> None:
+            for tab in (page, other):
+                expect(tab.get_by_test_id("chat")).to_have_attribute("data-head", head,
+                                                                      timeout=TURN)
+                expect(messages(tab, "user")).to_have_text(users, timeout=TURN)
+                assert_transcript(tab, demo, user, chat_id)
+
+        # A retry in one tab: the other shows the new answer and its "2/2".
+        page.get_by_role("button", name="Retry: answer this message again").click()
+        second = head_moved(page, first)
+        answered(page, second)
+        answered(other, second)
+        both(second, ["hello there"])
+        expect(fork(other, "turn-bar", second).get_by_test_id("fork-position")).to_have_text(
+            "2/2")
+        # Versions chosen in the second tab: the first follows.
+        fork(other, "turn-bar", second).get_by_role(
+            "button", name="Previous version of this answer").click()
+        both(first, ["hello there"])
+        # An edit in the first tab.
+        message = user_node(page, "hello there")
+        page.locator(f'[data-testid="user-bar"][data-node-id="{message}"]').get_by_role(
+            "button", name="Edit this message").click()
+        page.get_by_role("textbox", name="Edited message").fill("hello again")
+        page.get_by_role("textbox", name="Edited message").press("Enter")
+        edited = head_moved(page, first)
+        answered(page, edited)
+        answered(other, edited)
+        both(edited, ["hello again"])
+        # An undo in the second tab: the text comes back there only.
+        other.get_by_role("button", name="Undo the last message").click()
+        expect(other.get_by_test_id("message-input")).to_have_value("hello again",
+                                                                   timeout=TURN)
+        both("none", [])
+        expect(page.get_by_test_id("message-input")).to_have_value("")
+    finally:
+        other.close()
+    assert not errors, f"uncaught errors in the second page: {errors}"

@@ -1,7 +1,10 @@
 // The demo chat page (dev mode): a sidebar fed by the live conversation feed, a chat view
-// with streaming replies, the goal strip, turn latencies and a connection indicator.
-// Everything it knows comes from the gateway: GET /v1/conversations, GET .../events, and
-// the WebSocket through gateway-client.js.
+// with streaming replies, the goal strip, turn latencies and a connection indicator; the
+// conversation as a tree: the active path only, retry on the last answer, edit on each
+// message, undo (the text back in the composer) and "‹ 2/3 ›" at every fork, every move
+// followed live by every tab. Everything it knows comes from the gateway: GET
+// /v1/conversations, GET .../events (the active path and its forks), and the WebSocket
+// through gateway-client.js (which keeps each chat's tree).
 
 import { GatewayClient, newClientMsgId } from "./gateway-client.js";
 
@@ -50,6 +53,9 @@ function model(chatId) {
       streaming: "", // the reply being written: its stream's whole text so far
       deltas: 0,
       pending: new Map(), // client_msg_id -> {text, state, error}: sent, not yet seen back
+      editing: null, // {msgId, text}: the user message being edited inline
+      reloading: null, // a reload of the active path in progress (see ensurePath)
+      reloadedAt: -1, // the head seq the last reload was for
       status: "idle",
       statusSeq: -1,
       turnId: null,
@@ -71,10 +77,12 @@ function resetModel(m) {
   m.nodes = new Map();
   m.streaming = "";
   m.deltas = 0;
+  m.editing = null;
 }
 
-function insertItem(m, item) {
+function insertItem(m, item, frame) {
   item.key = `s${item.seq}`;
+  item.node = frame.node ?? null; // the tree node it belongs to: shown when on the active path
   let i = m.items.length;
   while (i > 0 && m.items[i - 1].seq > item.seq) i--;
   m.items.splice(i, 0, item);
@@ -103,7 +111,7 @@ function applyEvent(f) {
   const d = f.data ?? {};
   switch (f.type) {
     case "user_message":
-      insertItem(m, { seq: f.seq, kind: "user", text: String(d.text ?? ""), ts: f.ts });
+      insertItem(m, { seq: f.seq, kind: "user", text: String(d.text ?? ""), ts: f.ts }, f);
       if (d.client_msg_id) m.pending.delete(d.client_msg_id);
       break;
     case "turn_start":
@@ -121,15 +129,15 @@ function applyEvent(f) {
       insertItem(m, {
         seq: f.seq, kind: "assistant", text: String(d.text ?? ""), cancelled: !!d.cancelled,
         streamed: m.deltas, ts: f.ts,
-      });
+      }, f);
       m.streaming = "";
       m.deltas = 0;
       break;
     case "tool_call":
-      insertItem(m, { seq: f.seq, kind: "note", text: `tool: ${d.name ?? "?"}` });
+      insertItem(m, { seq: f.seq, kind: "note", text: `tool: ${d.name ?? "?"}` }, f);
       break;
     case "cancel_requested":
-      insertItem(m, { seq: f.seq, kind: "note", text: "stop requested" });
+      insertItem(m, { seq: f.seq, kind: "note", text: "stop requested" }, f);
       break;
     case "goal_state":
       setGoal(m, d, f.seq);
@@ -140,7 +148,7 @@ function applyEvent(f) {
     case "turn_end":
       insertItem(m, {
         seq: f.seq, kind: "turn_end", turnId: d.turn_id, latency: d.latency_ms, reason: d.reason ?? "complete",
-      });
+      }, f);
       setStatus(m, "idle", null, f.seq);
       if ("goal_state" in d) setGoal(m, d.goal_state, f.seq);
       m.streaming = "";
@@ -204,20 +212,31 @@ async function loadConversations() {
   scheduleRender();
 }
 
-/** Fetch the whole history of a chat over HTTP; returns its resume point. */
+/**
+ * Fetch a chat's active path over HTTP (its events, and its forks for the tree); returns
+ * its resume point.
+ */
+async function fetchPath(m) {
+  let after = 0;
+  let since = null;
+  for (;;) {
+    const page = await api("GET", `/v1/conversations/${encodeURIComponent(m.chatId)}/events?after=${after}&limit=1000`);
+    client.loadHistory(m.chatId, page);
+    for (const f of page.events) applyEvent(f);
+    since = { seq: page.last_seq, epoch: page.epoch };
+    if (page.next_after == null) break;
+    after = page.next_after;
+  }
+  return since;
+}
+
+/** Fetch the history of a chat (its active path) over HTTP; returns its resume point. */
 function loadHistory(m) {
   if (m.loading) return m.loading;
   m.loading = (async () => {
-    let after = 0;
     let since = null;
     try {
-      for (;;) {
-        const page = await api("GET", `/v1/conversations/${encodeURIComponent(m.chatId)}/events?after=${after}&limit=1000`);
-        for (const f of page.events) applyEvent(f);
-        since = { seq: page.last_seq, epoch: page.epoch };
-        if (page.next_after == null) break;
-        after = page.next_after;
-      }
+      since = await fetchPath(m);
     } catch (err) {
       if (err.status !== 404) {
         m.loading = null;
@@ -230,6 +249,27 @@ function loadHistory(m) {
     return since;
   })();
   return m.loading;
+}
+
+/**
+ * The head moved to a branch whose events this page never loaded (another version at a
+ * fork, chosen here or on another device): load the active path again. Only once every
+ * event up to the head's move arrived (the seq the tree knows its head at), so that nodes
+ * still on their way are not taken for missing ones.
+ */
+function ensurePath(m) {
+  const tree = client.tree(m.chatId);
+  const pos = client.position(m.chatId);
+  if (!m.loaded || m.reloading || !tree?.headKnown || !pos) return;
+  if (pos.seq < tree.headSeq || m.reloadedAt === tree.headSeq || !tree.missing().length) return;
+  m.reloadedAt = tree.headSeq;
+  m.reloading = fetchPath(m)
+    .catch((err) => notice(`Could not load that version: ${err.message}`))
+    .finally(() => {
+      m.reloading = null;
+      ensurePath(m); // the head may have moved again meanwhile
+      if (m.chatId === active) scheduleRender();
+    });
 }
 
 // --- chats ---------------------------------------------------------------------------
@@ -323,12 +363,59 @@ function stop() {
   client.cancel(active, m.turnId ?? undefined).catch((err) => notice(describe(err)));
 }
 
+// --- the conversation tree: retry, edit, undo, switch ------------------------------------
+// Each sends the head this page knows as expected_head (gateway-client.js does): when
+// another device moved it meanwhile, the gateway answers `conflict` and nothing changes.
+
+function retry() {
+  if (!active) return;
+  client.retry(active).catch((err) => notice(describe(err)));
+}
+
+function startEdit(m, msgId, text) {
+  m.nodes.delete(`edit:${msgId}`); // a fresh editor, with the message's text
+  m.editing = { msgId, text };
+  scheduleRender();
+}
+
+function saveEdit(m, text) {
+  const editing = m.editing;
+  if (!editing) return;
+  const value = text.trim();
+  if (!value) return;
+  m.editing = null;
+  scheduleRender();
+  client.edit(m.chatId, editing.msgId, value).catch((err) => notice(describe(err)));
+}
+
+function undo() {
+  if (!active) return;
+  const chatId = active;
+  client.undo(chatId).then((ack) => {
+    // The message is taken back: its text goes back in the composer, to edit and resend.
+    const input = $("input");
+    if (active === chatId && typeof ack.text === "string" && !input.value.trim()) {
+      input.value = ack.text;
+      autosize();
+      input.focus();
+    }
+  }, (err) => notice(describe(err)));
+}
+
+function switchTo(m, nodeId) {
+  client.switch(m.chatId, nodeId).catch((err) => notice(describe(err)));
+}
+
 function describe(err) {
   const text = {
     turn_in_progress: "The agent is still answering: wait, or press Stop.",
     text_too_long: "That message is too long.",
     forbidden: "That conversation belongs to someone else.",
     no_active_turn: "Nothing to stop.",
+    conflict: "This conversation changed on another device meanwhile: nothing was done.",
+    not_on_path: "That message is not on the conversation shown any more.",
+    nothing_to_retry: "There is no answer to retry.",
+    nothing_to_undo: "There is nothing to undo.",
   }[err?.code];
   return text ?? err?.message ?? String(err);
 }
@@ -426,7 +513,7 @@ function itemNode(m, it) {
   if (it.kind === "user" || it.kind === "assistant") {
     node = h("div", {
       class: `msg ${it.kind}${it.cancelled ? " cancelled" : ""}`, "data-testid": "message",
-      "data-role": it.kind, "data-seq": it.seq,
+      "data-role": it.kind, "data-seq": it.seq, "data-node": it.node,
       "data-streamed": it.kind === "assistant" ? it.streamed : null,
     }, h("div", { class: "bubble", "data-testid": "message-text", text: it.text }));
     if (it.cancelled) node.append(h("div", { class: "meta", text: "stopped" }));
@@ -465,6 +552,102 @@ function pendingNode(m, id, p) {
   return node;
 }
 
+/** A button with an accessible name (its label, or `label` when the text is a symbol). */
+function button(text, testId, label, onClick, disabled = false) {
+  const b = h("button", { type: "button", class: "tool", "data-testid": testId, "aria-label": label, title: label, text, disabled });
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+/** "‹ 2/3 ›": the versions of a node at a fork; the arrows switch the head to a sibling. */
+function forkNav(m, nodeId, sib, what, busy) {
+  const n = sib.ids.length;
+  return h("span", {
+    class: "fork", "data-testid": "fork", "data-node-id": nodeId, "data-index": sib.index,
+    "data-count": n, role: "group", "aria-label": `${what}: version ${sib.index + 1} of ${n}`,
+  },
+  button("‹", "fork-prev", `Previous version of this ${what}`, () => switchTo(m, sib.ids[sib.index - 1]), busy || sib.index === 0),
+  h("span", { class: "fork-position", "data-testid": "fork-position", text: `${sib.index + 1}/${n}` }),
+  button("›", "fork-next", `Next version of this ${what}`, () => switchTo(m, sib.ids[sib.index + 1]), busy || sib.index === n - 1));
+}
+
+/**
+ * The controls under a node of the active path: for a user message, its versions and Edit;
+ * for a turn, its versions and (the last answer) Retry. Rebuilt when their state changes.
+ */
+function barNode(m, tree, nodeId, kind, busy) {
+  const sib = tree.siblings(nodeId);
+  const isHead = tree.head === nodeId;
+  const editing = m.editing?.msgId === nodeId;
+  const key = `bar:${nodeId}:${sib.index}/${sib.ids.length}:${isHead}:${busy}:${editing}`;
+  let node = m.nodes.get(key);
+  if (node) return node;
+  for (const k of [...m.nodes.keys()]) if (k.startsWith(`bar:${nodeId}:`)) m.nodes.delete(k);
+  const parts = [];
+  if (sib.ids.length > 1) parts.push(forkNav(m, nodeId, sib, kind === "user" ? "message" : "answer", busy));
+  if (kind === "user" && !editing) {
+    parts.push(button("Edit", "edit", "Edit this message", () => {
+      const it = m.items.find((i) => i.kind === "user" && i.node === nodeId);
+      startEdit(m, nodeId, it?.text ?? "");
+    }, busy));
+  }
+  if (kind === "turn" && isHead) parts.push(button("Retry", "retry", "Retry: answer this message again", retry, busy));
+  if (!parts.length) return null;
+  node = h("div", { class: `node-bar ${kind}`, "data-testid": `${kind}-bar`, "data-node-id": nodeId }, ...parts);
+  m.nodes.set(key, node);
+  return node;
+}
+
+/** A user message being edited in place: the text, then Send (a new version) or Cancel. */
+function editorNode(m, it) {
+  const key = `edit:${it.node}`;
+  let node = m.nodes.get(key);
+  if (node) return node;
+  const input = h("textarea", { class: "edit-input", "data-testid": "edit-input", "aria-label": "Edited message", rows: 2 });
+  input.value = m.editing?.text ?? it.text;
+  const cancel = () => { m.editing = null; m.nodes.delete(key); scheduleRender(); };
+  const save = () => { m.nodes.delete(key); saveEdit(m, input.value); };
+  input.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); save(); }
+    else if (ev.key === "Escape") cancel();
+  });
+  node = h("div", { class: "msg user editing", "data-testid": "message-editor", "data-node": it.node }, input,
+    h("div", { class: "edit-actions" },
+      button("Cancel", "edit-cancel", "Cancel the edit", cancel),
+      button("Send", "edit-save", "Send the edited message", save)));
+  m.nodes.set(key, node);
+  queueMicrotask(() => input.focus());
+  return node;
+}
+
+/**
+ * The chat's items on its active path, in order, each node's controls after its last item.
+ * Until the head is known (a gateway without trees), every item.
+ */
+function pathNodes(m) {
+  const tree = client?.tree(m.chatId);
+  if (!tree?.headKnown) return m.items.map((it) => itemNode(m, it));
+  const busy = m.status === "running";
+  const shown = m.items.filter((it) => tree.visible(it));
+  const path = tree.path();
+  const lastOf = new Map(); // node -> index of its last item shown
+  shown.forEach((it, i) => { if (it.node) lastOf.set(it.node, i); });
+  const nodes = [];
+  shown.forEach((it, i) => {
+    nodes.push(it.kind === "user" && m.editing?.msgId === it.node ? editorNode(m, it) : itemNode(m, it));
+    if (!it.node || lastOf.get(it.node) !== i) return;
+    if (it.kind !== "user") {
+      nodes.push(barNode(m, tree, it.node, "turn", busy));
+      return;
+    }
+    nodes.push(barNode(m, tree, it.node, "user", busy));
+    // Its answer has nothing to show yet (just started): its controls go here.
+    const turn = path[path.indexOf(it.node) + 1];
+    if (turn && !lastOf.has(turn)) nodes.push(barNode(m, tree, turn, "turn", busy));
+  });
+  return nodes.filter((n) => n != null);
+}
+
 function streamingNode(m) {
   let node = m.nodes.get("streaming");
   if (!node) {
@@ -483,6 +666,9 @@ function renderChat() {
   const c = active ? conversations.get(active) : null;
   chat.dataset.chatId = active ?? "";
   chat.dataset.synced = String(!!m?.subscribed);
+  // The head this page shows ("none": before the first message), for tests and debugging.
+  const tree = m ? client?.tree(m.chatId) : null;
+  chat.dataset.head = tree?.headKnown ? tree.head ?? "none" : "";
   // How the last subscribe went (since | buffer | again | fresh): handy when debugging.
   chat.dataset.subscribeMode = m?.lastSubscribe?.mode ?? "";
   chat.dataset.buffered = String(m?.lastSubscribe?.buffered ?? "");
@@ -512,7 +698,7 @@ function renderChat() {
   const box = $("messages");
   const nodes = [];
   if (m) {
-    for (const it of m.items) nodes.push(itemNode(m, it));
+    nodes.push(...pathNodes(m));
     for (const [id, p] of m.pending) nodes.push(pendingNode(m, id, p));
     if (m.streaming) nodes.push(streamingNode(m));
     if (m.error) nodes.push(h("div", { class: "note", "data-testid": "chat-error", text: m.error }));
@@ -529,6 +715,8 @@ function renderChat() {
   $("composer").dataset.disabled = String(!active);
   $("send").disabled = !active || running;
   $("stop").hidden = !running;
+  // Undo takes back the active path's last user message (there is one unless it is empty).
+  $("undo").disabled = !active || running || !tree?.headKnown || tree.head == null;
 }
 
 let countdown = null;
@@ -576,6 +764,7 @@ async function boot() {
   $("new-chat").addEventListener("click", newChat);
   $("composer").addEventListener("submit", (ev) => { ev.preventDefault(); send(); });
   $("stop").addEventListener("click", stop);
+  $("undo").addEventListener("click", undo);
   $("input").addEventListener("input", autosize);
   $("input").addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
@@ -625,11 +814,23 @@ async function boot() {
     };
     const snap = frame.snapshot ?? {};
     setStatus(m, snap.status ?? "idle", snap.turn_id, frame.seq);
+    ensurePath(m); // after a replay of nothing, the head is known in full now
     setGoal(m, snap.goal_state ?? null, frame.seq); // the goal survives a reload
     if (snap.title) setTitle(chatId, snap.title, frame.seq);
     scheduleRender();
   });
-  client.on("event", applyEvent);
+  client.on("event", (f) => {
+    applyEvent(f);
+    if (f.seq != null && models.has(f.chat_id)) ensurePath(model(f.chat_id));
+  });
+  client.on("head", ({ chatId }) => {
+    // Another version, an undo, a retry (here or on another device): show the new path.
+    const m = models.get(chatId);
+    if (!m) return;
+    if (m.editing && !client.tree(chatId)?.onPath(m.editing.msgId)) m.editing = null;
+    ensurePath(m);
+    if (chatId === active) scheduleRender();
+  });
   client.on("stream", ({ chatId, stream, ended }) => {
     // The answer being written, whole: after a reload, a dropped network or on a second
     // device it is shown at once, then grows word by word, never a word twice.

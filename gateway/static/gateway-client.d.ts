@@ -74,6 +74,8 @@ export interface Snapshot {
   turn_id: string | null;
   started_at: number | null;
   goal_state: GoalState | null;
+  /** The node the next message follows (a turn), or null: the conversation tree's head. */
+  head?: string | null;
   /** Every open stream; omitted when the connection already holds them all. */
   streams?: StreamSnapshot[];
 }
@@ -104,6 +106,12 @@ export interface AckFrame {
   client_msg_id: string | null;
   turn_id: string | null;
   duplicate: boolean;
+  /** A message's or tree operation's: the conversation's head after it (null for none). */
+  head?: string | null;
+  /** The user message a message or an edit added, or the one an undo took back. */
+  msg_id?: string;
+  /** undo: the text of the message taken back (put it back in the composer). */
+  text?: string;
 }
 
 export interface PongFrame { type: "pong"; id?: RequestId; ts: number }
@@ -111,7 +119,8 @@ export interface PongFrame { type: "pong"; id?: RequestId; ts: number }
 export type ErrorCode =
   | "malformed" | "unknown_type" | "invalid_frame" | "forbidden" | "not_found"
   | "text_too_long" | "too_many_subscriptions" | "turn_in_progress" | "no_active_turn"
-  | "turn_mismatch" | "rate_limited" | "replication_timeout" | (string & {});
+  | "turn_mismatch" | "conflict" | "not_on_path" | "nothing_to_retry" | "nothing_to_undo"
+  | "rate_limited" | "replication_timeout" | (string & {});
 
 export interface ErrorFrame {
   type: "error";
@@ -119,6 +128,8 @@ export interface ErrorFrame {
   message: string;
   id?: RequestId;
   chat_id?: string;
+  /** A refused tree operation's: the conversation's head now (null for none). */
+  head?: string | null;
 }
 
 /** The live conversation feed: every owned conversation, subscribed or not. */
@@ -144,12 +155,23 @@ export interface EventFrame<T extends string = string, D = Record<string, unknow
   data: D;
   /** A streamed delta's place in its stream (an answer being written). */
   stream?: { id: string; pos: number };
+  /** The tree node a durable event belongs to (a msg_id or a turn_id); none on
+   * conversation-level events (title, goal_state, head, ...). */
+  node?: string;
 }
 
 export type UserMessageEvent = EventFrame<"user_message", {
   text: string; client_msg_id: string; user_id: string; data?: Record<string, unknown>;
+  msg_id: string; parent_id: string | null; edit_of?: string;
 }>;
-export type TurnStartEvent = EventFrame<"turn_start", { turn_id: string; started_at: number }>;
+export type TurnStartEvent = EventFrame<"turn_start", {
+  turn_id: string; started_at: number; parent_id: string; retry_of?: string;
+}>;
+/** Every move of the conversation's head. */
+export type HeadMovedEvent = EventFrame<"head", {
+  head_id: string | null; prev_head_id: string | null;
+  cause: "message" | "retry" | "edit" | "undo" | "switch"; by: string;
+}>;
 export type CancelRequestedEvent = EventFrame<"cancel_requested", { turn_id: string }>;
 export type TurnEndEvent = EventFrame<"turn_end", {
   turn_id: string;
@@ -161,6 +183,19 @@ export type TurnEndEvent = EventFrame<"turn_end", {
 export type GoalStateEvent = EventFrame<"goal_state", GoalState>;
 export type TitleEvent = EventFrame<"title", { title: string; previous: string | null; source: string }>;
 export type DeletedEvent = EventFrame<"deleted", { epoch: string; last_seq: number }>;
+
+/** A page of `GET /v1/conversations/{chat_id}/events`. */
+export interface HistoryPage {
+  chat_id: string;
+  epoch: string;
+  last_seq: number;
+  next_after: number | null;
+  /** The head as of last_seq. */
+  head?: string | null;
+  /** `view=active` (the default): the siblings of each node of the path that has some. */
+  forks?: Record<string, { siblings: string[]; index: number }>;
+  events: EventFrame[];
+}
 
 export type ServerFrame =
   | HelloFrame | SubscribedFrame | UnsubscribedFrame | LeftFrame | AckFrame | PongFrame
@@ -228,6 +263,90 @@ export interface StreamEvent {
   frame?: EventFrame;
 }
 
+// --- the conversation tree ----------------------------------------------------------------
+
+/** A node of a conversation tree: a user message or a turn. */
+export interface TreeNode {
+  id: string;
+  kind: "user" | "turn";
+  /** The turn a message follows (null: a first message), or the message a turn answers. */
+  parentId: string | null;
+  /** The seq of the event that created it (null for a placeholder). */
+  seq: number | null;
+  /** Its creating event was seen (else it is known from a page's `forks` only). */
+  seen: boolean;
+  /** Its children, in creation order. */
+  children: string[];
+}
+
+/** A node's versions (itself included), in creation order, and its place among them. */
+export interface Siblings {
+  ids: string[];
+  index: number;
+}
+
+/** The head moved, to `head` from `previous` (null: no node). */
+export interface HeadMove {
+  head: string | null;
+  previous: string | null;
+  /** The seq the new head is known at (null when not told). */
+  seq: number | null;
+  /** From a `head` event: "message", "retry", "edit", "undo", "switch"; else null. */
+  cause: string | null;
+  by: string | null;
+}
+
+/** A chat's head moved (a `head` event, a snapshot, an ack, a history page). */
+export interface HeadChange extends HeadMove {
+  chatId: string;
+  /** The `head` event, when one moved it. */
+  frame?: EventFrame;
+}
+
+/** A conversation's tree as a client holds it (the Python SDK's gateway/sdk/tree.py). */
+export declare class ConversationTree {
+  constructor();
+  nodes: Map<string, TreeNode>;
+  /** The first messages (and their edits), in creation order. */
+  roots: string[];
+  head: string | null;
+  /** Told the head at all (null is a head too). */
+  headKnown: boolean;
+  /** The seq the head is known at: older news never moves it back. */
+  headSeq: number;
+  reset(): void;
+  /** A durable event frame; returns the head's move when it moved. */
+  apply(frame: EventFrame): HeadMove | null;
+  /** The head as of `seq`; a null seq is taken only when no head is known. */
+  setHead(head: string | null, seq: number | null): HeadMove | null;
+  loadPage(page: HistoryPage): HeadMove | null;
+  loadForks(forks: Record<string, { siblings: string[]; index: number }>): void;
+  /** The active path's node ids, root first. */
+  path(): string[];
+  onPath(nodeId: string | null | undefined): boolean;
+  /** Whether an event belongs on the active path (its node is on it, or it has none). */
+  visible(frame: { node?: string | null }): boolean;
+  siblings(nodeId: string): Siblings;
+  /** The siblings of every node on the active path that has some. */
+  forks(): Record<string, Siblings>;
+  /** Nodes of the active path whose events the client may not hold: reload the history. */
+  missing(): string[];
+}
+
+export interface TreeOpOptions {
+  /**
+   * The head the operation expects: by default the head the client knows (nothing when it
+   * knows none); null for none; false to send none (apply to whatever the head is).
+   */
+  expectedHead?: string | null | false;
+  /** End a running turn first instead of being refused with turn_in_progress. */
+  cancel?: boolean;
+}
+
+export interface EditOptions extends TreeOpOptions {
+  clientMsgId?: string;
+}
+
 export interface StateChange {
   state: ConnectionState;
   attempt: number;
@@ -276,6 +395,8 @@ export interface GatewayClientEvents {
   /** The network is back: the client reconnects (or checks its socket) at once. */
   online: Record<string, never>;
   conversation: ConversationFrame;
+  /** A chat's head moved: show its new active path. */
+  head: HeadChange;
   ack: AckFrame;
   error: ErrorFrame;
   closed: ClosedEvent;
@@ -296,6 +417,8 @@ export declare class GatewayError extends Error {
   constructor(code: string, message?: string, frame?: ErrorFrame | null);
   readonly code: ErrorCode | "not_connected" | "disconnected";
   readonly frame: ErrorFrame | null;
+  /** A refused tree operation: the head now (null: none); undefined when not said. */
+  readonly head: string | null | undefined;
 }
 
 export declare function newClientMsgId(): string;
@@ -342,6 +465,23 @@ export declare class GatewayClient {
   sendMessage(chatId: string, text: string, options?: SendMessageOptions): Promise<AckFrame>;
   /** Resolves with the ack, or null when a retry found the turn already cancelled. */
   cancel(chatId: string, turnId?: string): Promise<AckFrame | null>;
+
+  /** The chat's tree (read only), or null for a chat the client does not hold. */
+  tree(chatId: string): ConversationTree | null;
+  /** The node the next message follows; null for none, undefined when not known. */
+  head(chatId: string): string | null | undefined;
+  /** The active path's node ids, root first. */
+  activePath(chatId: string): string[];
+  siblings(chatId: string, nodeId: string): Siblings;
+  /** Fill the chat's tree from a history page (events, forks, head). */
+  loadHistory(chatId: string, page: HistoryPage): void;
+
+  /** Tree operations; each rejects with a GatewayError carrying `head` when refused. */
+  retry(chatId: string, options?: TreeOpOptions): Promise<AckFrame>;
+  edit(chatId: string, msgId: string, text: string, options?: EditOptions): Promise<AckFrame>;
+  /** The ack's `text` is the message taken back. */
+  undo(chatId: string, options?: TreeOpOptions): Promise<AckFrame>;
+  switch(chatId: string, nodeId: string, options?: TreeOpOptions): Promise<AckFrame>;
 }
 
 export default GatewayClient;

@@ -22,17 +22,23 @@
 //   unsubscribed on this connection is resubscribed without `since`, so the buffered frames
 //   (deltas included) are drained; after a reconnect it resumes with `since` instead;
 // - sendMessage() makes a client_msg_id once and reuses it for every retry; messages and
-//   cancels are queued while disconnected and sent once, in order, after the resubscribes.
+//   cancels are queued while disconnected and sent once, in order, after the resubscribes;
+// - keeps each chat's conversation tree (ConversationTree: nodes, head, active path,
+//   siblings) from the events, tells the app with a `head` event when the head moves, and
+//   sends the tree operations retry/edit/undo/switch with the head it knows as
+//   `expected_head` (two devices racing: one gets a clean `conflict`).
 //
 // The public types live in gateway-client.d.ts; the JSDoc below uses them, and
 // tests/js (tsc) checks this file against them and the .d.ts against this file.
 
 /**
  * @import {
- *   AckFrame, ConnectionState, ConversationFrame, ErrorFrame, EventFrame, GatewayClientEvents,
- *   GatewayClientOptions, HelloFrame, LeftFrame, PongFrame, RequestId, SendMessageOptions,
- *   ServerFrame, Since, StateChange, StreamState, SubscribedEvent, SubscribedFrame,
- *   SubscribeOptions, TokenRequest, TokenSource, UnsubscribedFrame,
+ *   AckFrame, ConnectionState, ConversationFrame, EditOptions, ErrorFrame, EventFrame,
+ *   GatewayClientEvents, GatewayClientOptions, HeadMove, HelloFrame, HistoryPage, LeftFrame,
+ *   PongFrame, RequestId, SendMessageOptions, ServerFrame, Siblings, Since, StateChange,
+ *   StreamState, SubscribedEvent, SubscribedFrame, SubscribeOptions, TokenRequest,
+ *   TokenSource, TreeNode, TreeOpOptions, UnsubscribedFrame,
+ *   ConversationTree as PublicTree,
  * } from "./gateway-client.js"
  */
 
@@ -50,23 +56,27 @@
  * @property {SubscribedFrame["snapshot"] | null} snapshot
  * @property {Map<string, StreamState>} streams
  * @property {boolean} resyncing
+ * @property {ConversationTree} tree
  */
 
+/** @typedef {"message" | "cancel" | "retry" | "edit" | "undo" | "switch"} OutboxKind */
+
 /**
- * A queued message or cancel (see _enqueue).
+ * A queued message, cancel or tree operation (see _enqueue).
  * @typedef {object} OutboxEntry
- * @property {"message" | "cancel"} kind
- * @property {{type: "message" | "cancel", chat_id: string, [field: string]: unknown}} frame
+ * @property {OutboxKind} kind
+ * @property {{type: OutboxKind, chat_id: string, [field: string]: unknown}} frame
  * @property {(ack: AckFrame | null) => void} resolve
  * @property {(error: GatewayError) => void} reject
  * @property {number | null} reqId
  * @property {number} attempts
+ * @property {boolean} written sent on the current connection
  */
 
 /**
  * A request waiting for its answer, by request id.
  * @typedef {object} PendingRequest
- * @property {"subscribe" | "unsubscribe" | "leave" | "ping" | "message" | "cancel"} kind
+ * @property {"subscribe" | "unsubscribe" | "leave" | "ping" | OutboxKind} kind
  * @property {string} [chatId]
  * @property {object} [frame]
  * @property {OutboxEntry} [entry]
@@ -99,6 +109,10 @@ const BUSY_CLOSE_CODES = new Set([4029, 1013]);
 
 const REPLY_TYPES = new Set(["hello", "subscribed", "unsubscribed", "left", "ack", "pong",
   "error", "conversation"]);
+/** Requests whose ack carries the conversation's new head. */
+const HEAD_ACKS = new Set(["message", "retry", "edit", "undo", "switch"]);
+/** Tree operations: not idempotent, so never written twice (see _connectionLost). */
+const TREE_OPS = new Set(["retry", "edit", "undo", "switch"]);
 
 /** An error reported by the gateway (an `error` frame), or by the client itself. */
 export class GatewayError extends Error {
@@ -112,6 +126,12 @@ export class GatewayError extends Error {
     this.name = "GatewayError";
     this.code = code;
     this.frame = frame;
+    /**
+     * A refused tree operation: the conversation's head now (null: none); undefined when
+     * the gateway did not say.
+     * @type {string | null | undefined}
+     */
+    this.head = frame && "head" in frame ? frame.head ?? null : undefined;
   }
 }
 
@@ -146,6 +166,293 @@ function defaultUrl() {
   const loc = globalThis.location;
   if (!loc || !loc.host) throw new Error("GatewayClient: pass `url` (no page location to derive it from)");
   return (loc.protocol === "https:" ? "wss://" : "ws://") + loc.host + "/v1/ws";
+}
+
+// --- the conversation tree ----------------------------------------------------------------
+
+/**
+ * A conversation's tree as a client holds it: the nodes, the head, the active path. Pure
+ * bookkeeping, the same as gateway/sdk/tree.py in the Python SDK (protocol.md, "The
+ * conversation tree"):
+ * - nodes are user messages (`user_message.data.msg_id`, parent `data.parent_id`: the turn it
+ *   follows, or null) and turns (`turn_start.data.turn_id`, parent: the message it answers);
+ *   siblings, in creation order, are versions (edits, retries);
+ * - the head moves by durable `head` events; a `subscribed` snapshot, an ack and a history
+ *   page tell it too, each as of a seq, and older news never moves it back (a replay after a
+ *   resume carries every old move, and the snapshot already told the last one);
+ * - a history page of the active path gives its `forks`: siblings not seen yet are kept as
+ *   placeholders (`seen: false`) under the same parent;
+ * - `recovered: false`: reset(), then reload.
+ * The tree keeps no events: visible(frame) tells whether one belongs on the active path.
+ */
+export class ConversationTree {
+  constructor() {
+    /** @type {Map<string, TreeNode>} */
+    this.nodes = new Map();
+    /** @type {string[]} the first messages (and their edits), in creation order */
+    this.roots = [];
+    /** @type {string | null} */
+    this.head = null;
+    /** Told the head at all (null is a head too: an empty conversation's). */
+    this.headKnown = false;
+    /** The seq the head is known at. */
+    this.headSeq = -1;
+    /** @type {string[] | null} */
+    this._path = null;
+    /** @type {Set<string> | null} */
+    this._pathSet = null;
+  }
+
+  /**
+   * Forget everything (`recovered: false`: the history must be reloaded).
+   * @returns {void}
+   */
+  reset() {
+    this.nodes = new Map();
+    this.roots = [];
+    this.head = null;
+    this.headKnown = false;
+    this.headSeq = -1;
+    this._changed();
+  }
+
+  /**
+   * Apply one durable event frame (live, replayed, or from a history page); returns the
+   * head's move when it moved. Other events, and a frame applied twice, change nothing.
+   * @param {EventFrame} frame
+   * @returns {HeadMove | null}
+   */
+  apply(frame) {
+    const seq = frame.seq;
+    const data = frame.data;
+    if (typeof seq !== "number" || !data || typeof data !== "object") return null;
+    if (frame.type === "user_message") this._add(data.msg_id, "user", data.parent_id, seq);
+    else if (frame.type === "turn_start") this._add(data.turn_id, "turn", data.parent_id, seq);
+    else if (frame.type === "head") {
+      const head = data.head_id;
+      if (head === null || typeof head === "string") {
+        return this._move(head, seq, str(data.cause), str(data.by));
+      }
+    }
+    return null;
+  }
+
+  /**
+   * The head as of `seq` (a snapshot's or a page's `last_seq`, an ack's `seq`); a null seq
+   * (nobody told) is taken only when no head is known yet.
+   * @param {string | null} head
+   * @param {number | null} seq
+   * @returns {HeadMove | null}
+   */
+  setHead(head, seq) {
+    if (seq == null) {
+      if (this.headKnown) return null;
+      seq = -1;
+    }
+    return this._move(head, seq, null, null);
+  }
+
+  /**
+   * A page of `GET /v1/conversations/{chat_id}/events`: its events, its `forks` (the
+   * default `view=active`) and its `head` as of its `last_seq`. Returns the head's move.
+   * @param {HistoryPage} page
+   * @returns {HeadMove | null}
+   */
+  loadPage(page) {
+    /** @type {HeadMove[]} */
+    const moves = [];
+    for (const frame of page.events ?? []) {
+      const move = this.apply(frame);
+      if (move) moves.push(move);
+    }
+    if (page.forks && typeof page.forks === "object") this.loadForks(page.forks);
+    if ("head" in page) {
+      const move = this.setHead(page.head ?? null, typeof page.last_seq === "number" ? page.last_seq : null);
+      if (move) moves.push(move);
+    }
+    if (!moves.length) return null;
+    const last = /** @type {HeadMove} */ (moves.at(-1));
+    return { ...last, previous: moves[0].previous };
+  }
+
+  /**
+   * A page's `forks`: `{node_id: {siblings, index}}` for the path's nodes that have
+   * siblings. Apply the page's events first: siblings go under their node's parent.
+   * @param {Record<string, {siblings: string[], index: number}>} forks
+   * @returns {void}
+   */
+  loadForks(forks) {
+    for (const [nodeId, fork] of Object.entries(forks)) {
+      const node = this.nodes.get(nodeId);
+      const siblings = fork?.siblings;
+      if (!node || !Array.isArray(siblings)) continue;
+      const listed = siblings.filter((s) => typeof s === "string");
+      for (const id of listed) {
+        if (!this.nodes.has(id)) {
+          this.nodes.set(id, { id, kind: node.kind, parentId: node.parentId, seq: null, seen: false, children: [] });
+        }
+      }
+      const group = this._childrenOf(node.parentId, node.kind);
+      // The page's order is the creation order; children it does not list are newer.
+      const rest = group.filter((c) => !listed.includes(c));
+      group.splice(0, group.length, ...listed, ...rest);
+    }
+    this._changed();
+  }
+
+  /**
+   * The active path's node ids, from the first message to the head. It starts at the
+   * oldest node whose parent the client knows of.
+   * @returns {string[]}
+   */
+  path() {
+    if (!this._path) {
+      /** @type {string[]} */
+      const path = [];
+      let id = this.head;
+      while (id != null && path.length <= this.nodes.size) {
+        path.push(id);
+        id = this.nodes.get(id)?.parentId ?? null;
+      }
+      this._path = path.reverse();
+      this._pathSet = new Set(path);
+    }
+    return [...this._path];
+  }
+
+  /**
+   * @param {string | null | undefined} nodeId
+   * @returns {boolean}
+   */
+  onPath(nodeId) {
+    if (nodeId == null) return false;
+    this.path();
+    return /** @type {Set<string>} */ (this._pathSet).has(nodeId);
+  }
+
+  /**
+   * Whether an event belongs on the active path: its `node` is on it, or it has none.
+   * @param {{node?: string | null}} frame
+   * @returns {boolean}
+   */
+  visible(frame) {
+    return frame.node == null || this.onPath(frame.node);
+  }
+
+  /**
+   * The versions of a node (itself included, in creation order) and its index among them;
+   * a node whose siblings the client does not know is alone.
+   * @param {string} nodeId
+   * @returns {Siblings}
+   */
+  siblings(nodeId) {
+    const node = this.nodes.get(nodeId);
+    const group = !node ? null : node.parentId == null ? this.roots : this.nodes.get(node.parentId)?.children;
+    const index = group ? group.indexOf(nodeId) : -1;
+    return index < 0 || !group ? { ids: [nodeId], index: 0 } : { ids: [...group], index };
+  }
+
+  /**
+   * The siblings of every node on the active path that has some, by node id.
+   * @returns {Record<string, Siblings>}
+   */
+  forks() {
+    /** @type {Record<string, Siblings>} */
+    const found = {};
+    for (const id of this.path()) {
+      const s = this.siblings(id);
+      if (s.ids.length > 1) found[id] = s;
+    }
+    return found;
+  }
+
+  /**
+   * Nodes of the active path whose events the client may not hold (placeholders, and
+   * nodes it never heard of): reload the path's history to show it.
+   * @returns {string[]}
+   */
+  missing() {
+    return this.path().filter((id) => !this.nodes.get(id)?.seen);
+  }
+
+  _changed() {
+    this._path = null;
+    this._pathSet = null;
+  }
+
+  /**
+   * The list a node of `childKind` under `parentId` belongs to.
+   * @param {string | null} parentId
+   * @param {TreeNode["kind"]} childKind
+   * @returns {string[]}
+   */
+  _childrenOf(parentId, childKind) {
+    if (parentId == null) return this.roots;
+    let parent = this.nodes.get(parentId);
+    if (!parent) {
+      // A parent not known yet (a client that joined live): a placeholder holds its
+      // children until it comes. A message's parent is a turn, a turn's a message.
+      parent = { id: parentId, kind: childKind === "user" ? "turn" : "user", parentId: null, seq: null, seen: false, children: [] };
+      this.nodes.set(parentId, parent);
+    }
+    return parent.children;
+  }
+
+  /**
+   * @param {unknown} id
+   * @param {TreeNode["kind"]} kind
+   * @param {unknown} parentId
+   * @param {number} seq
+   */
+  _add(id, kind, parentId, seq) {
+    if (typeof id !== "string" || !(parentId === null || parentId === undefined || typeof parentId === "string")) return;
+    const parent = parentId ?? null;
+    let node = this.nodes.get(id);
+    if (node?.seen) return;
+    if (!node) {
+      node = { id, kind, parentId: parent, seq, seen: true, children: [] };
+      this.nodes.set(id, node);
+    } else { // a placeholder (a page's fork, or a parent its children came before)
+      Object.assign(node, { kind, parentId: parent, seq, seen: true });
+    }
+    this._changed();
+    const group = this._childrenOf(parent, kind);
+    if (group.includes(id)) return;
+    // Creation order: before the first sibling created later (placeholders keep their places).
+    let at = group.findIndex((other) => {
+      const otherSeq = this.nodes.get(other)?.seq;
+      return otherSeq != null && otherSeq > seq;
+    });
+    if (at < 0) at = group.length;
+    group.splice(at, 0, id);
+  }
+
+  /**
+   * @param {string | null} head
+   * @param {number} seq
+   * @param {string | null} cause
+   * @param {string | null} by
+   * @returns {HeadMove | null}
+   */
+  _move(head, seq, cause, by) {
+    if (this.headKnown && seq < this.headSeq) return null; // older news: a later move is known
+    const previous = this.head;
+    const wasKnown = this.headKnown;
+    this.head = head;
+    this.headKnown = true;
+    this.headSeq = Math.max(seq, this.headSeq);
+    this._changed();
+    if (wasKnown && previous === head) return null;
+    return { head, previous, seq: seq >= 0 ? seq : null, cause, by };
+  }
+}
+
+/**
+ * @param {unknown} value
+ * @returns {string | null}
+ */
+function str(value) {
+  return typeof value === "string" ? value : null;
 }
 
 export class GatewayClient {
@@ -473,7 +780,17 @@ export class GatewayClient {
       if (req.resolve) req.resolve(null);
     }
     this._pending.clear();
-    for (const entry of this._outbox) entry.reqId = null;
+    for (const entry of [...this._outbox]) {
+      if (TREE_OPS.has(entry.kind) && entry.written) {
+        // Not idempotent: it may or may not have been applied. Sending it again could apply
+        // it twice; the app decides (the head events tell what happened).
+        this._settle(entry);
+        entry.reject(new GatewayError("disconnected", `the connection was lost: the ${entry.kind} may or may not have been applied`));
+        continue;
+      }
+      entry.reqId = null;
+      entry.written = false;
+    }
   }
 
   /**
@@ -568,6 +885,7 @@ export class GatewayClient {
         snapshot: null,
         streams: new Map(), // stream id -> {id, type, turnId, text, pos}: answers being written
         resyncing: false, // a stream skipped a position: a fresh snapshot is on its way
+        tree: new ConversationTree(), // nodes, head, active path
       };
       this._chats.set(chatId, chat);
     }
@@ -592,6 +910,66 @@ export class GatewayClient {
   position(chatId) {
     const chat = this._chats.get(chatId);
     return chat && chat.epoch != null && chat.seq != null ? { seq: chat.seq, epoch: chat.epoch } : null;
+  }
+
+  // --- the conversation tree ----------------------------------------------------------
+
+  /**
+   * The chat's tree as the client keeps it from the events (read it, do not change it), or
+   * null for a chat the client does not hold. A subscribe without `since` knows the head,
+   * then the nodes made from then on; loadHistory() fills in what came before. A `recovery`
+   * resets it.
+   * @param {string} chatId
+   * @returns {PublicTree | null}
+   */
+  tree(chatId) {
+    return this._chats.get(chatId)?.tree ?? null;
+  }
+
+  /**
+   * The node the next message follows (a turn), null for none, undefined when not known.
+   * @param {string} chatId
+   * @returns {string | null | undefined}
+   */
+  head(chatId) {
+    const tree = this._chats.get(chatId)?.tree;
+    return tree?.headKnown ? tree.head : undefined;
+  }
+
+  /**
+   * The active path's node ids, from the first message the client knows of to the head:
+   * what a chat UI shows (events whose `node` is on it, or that have none).
+   * @param {string} chatId
+   * @returns {string[]}
+   */
+  activePath(chatId) {
+    return this._chats.get(chatId)?.tree.path() ?? [];
+  }
+
+  /**
+   * The versions of a node (itself included, in creation order) and its index, for a
+   * fork's "‹ 2/3 ›"; a node whose siblings the client does not know is alone.
+   * @param {string} chatId
+   * @param {string} nodeId
+   * @returns {Siblings}
+   */
+  siblings(chatId, nodeId) {
+    return this._chats.get(chatId)?.tree.siblings(nodeId) ?? { ids: [nodeId], index: 0 };
+  }
+
+  /**
+   * Fill a chat's tree from a page of `GET /v1/conversations/{chat_id}/events` (its events,
+   * `forks` and `head`): on load, and after a `recovery`. A page of another epoch than the
+   * client's is ignored. Emits `head` when the head moved.
+   * @param {string} chatId
+   * @param {HistoryPage} page
+   * @returns {void}
+   */
+  loadHistory(chatId, page) {
+    const chat = this._chat(chatId);
+    if (chat.epoch != null && page.epoch != null && page.epoch !== chat.epoch) return;
+    const moved = chat.tree.loadPage(page);
+    if (moved) this._emit("head", { chatId, ...moved });
   }
 
   /**
@@ -671,6 +1049,10 @@ export class GatewayClient {
     chat.subReq = null;
     chat.subMode = null;
     chat.snapshot = frame.snapshot ?? null;
+    if (frame.recovered === false || (chat.epoch != null && chat.epoch !== frame.epoch)) {
+      // The tree goes with the history: the app reloads both (loadHistory()).
+      chat.tree.reset();
+    }
     if (frame.recovered === false) {
       // Nothing was replayed: the app must reload history; live frames continue from here.
       chat.epoch = frame.epoch;
@@ -698,7 +1080,11 @@ export class GatewayClient {
         this._emit("stream", { chatId: chat.id, stream: { ...stream }, id: stream.id, reset: true });
       }
     }
+    // The head now, as of the reply's seq: the replay that follows brings older moves only.
+    const snapshotHead = frame.snapshot && "head" in frame.snapshot
+      ? chat.tree.setHead(frame.snapshot.head ?? null, frame.seq) : null;
     this._emit("subscribed", { chatId: chat.id, frame, mode });
+    if (snapshotHead) this._emit("head", { chatId: chat.id, ...snapshotHead });
     if (frame.recovered === false) {
       this._emit("recovery", {
         chatId: chat.id, recovered: false, epoch: frame.epoch, seq: frame.seq, frame,
@@ -793,6 +1179,84 @@ export class GatewayClient {
     return this._enqueue("cancel", frame);
   }
 
+  // --- tree operations ----------------------------------------------------------------
+  //
+  // Each is queued like a message and resolves with the `ack` (the new `head`, and what the
+  // operation made). `expectedHead` defaults to the head the client knows, so of two devices
+  // racing from one head, one gets a clean `conflict` (a GatewayError with `head`, the head
+  // now); `cancel: true` ends a running turn first instead of `turn_in_progress`. One that
+  // was written when the connection dropped is not sent again (it is not idempotent): it
+  // rejects with code "disconnected".
+
+  /**
+   * A new answer to the head turn's message (the ack has its `turn_id`).
+   * @param {string} chatId
+   * @param {TreeOpOptions} [options]
+   * @returns {Promise<AckFrame>}
+   */
+  retry(chatId, options = {}) {
+    return this._treeOp("retry", chatId, options, {});
+  }
+
+  /**
+   * A new version of the user message `msgId` (on the active path) with `text`, and a turn
+   * answering it (the ack has the new `msg_id` and `turn_id`).
+   * @param {string} chatId
+   * @param {string} msgId
+   * @param {string} text
+   * @param {EditOptions} [options]
+   * @returns {Promise<AckFrame>}
+   */
+  edit(chatId, msgId, text, options = {}) {
+    /** @type {Record<string, unknown>} */
+    const fields = { msg_id: msgId, text };
+    if (options.clientMsgId) fields.client_msg_id = options.clientMsgId;
+    return this._treeOp("edit", chatId, options, fields);
+  }
+
+  /**
+   * The head back before the active path's last user message; the ack gives its `text`
+   * (and `msg_id`) back: put it in the composer. switch() to that message redoes it.
+   * @param {string} chatId
+   * @param {TreeOpOptions} [options]
+   * @returns {Promise<AckFrame>}
+   */
+  undo(chatId, options = {}) {
+    return this._treeOp("undo", chatId, options, {});
+  }
+
+  /**
+   * The head to the leaf last active below `nodeId`: another version at a fork, or redo.
+   * @param {string} chatId
+   * @param {string} nodeId
+   * @param {TreeOpOptions} [options]
+   * @returns {Promise<AckFrame>}
+   */
+  switch(chatId, nodeId, options = {}) {
+    return this._treeOp("switch", chatId, options, { node_id: nodeId });
+  }
+
+  /**
+   * @param {"retry" | "edit" | "undo" | "switch"} kind
+   * @param {string} chatId
+   * @param {TreeOpOptions} options
+   * @param {Record<string, unknown>} fields
+   * @returns {Promise<AckFrame>}
+   */
+  _treeOp(kind, chatId, options, fields) {
+    /** @type {OutboxEntry["frame"]} */
+    const frame = { type: kind, chat_id: chatId, ...fields };
+    const expected = options.expectedHead;
+    if (expected === undefined) {
+      const tree = this._chat(chatId).tree; // kept for the ack's head, even if never subscribed
+      if (tree.headKnown) frame.expected_head = tree.head;
+    } else if (expected !== false) {
+      frame.expected_head = expected;
+    }
+    if (options.cancel) frame.cancel = true;
+    return /** @type {Promise<AckFrame>} */ (this._enqueue(kind, frame));
+  }
+
   /**
    * @param {OutboxEntry["kind"]} kind
    * @param {OutboxEntry["frame"]} frame
@@ -801,7 +1265,7 @@ export class GatewayClient {
   _enqueue(kind, frame) {
     return new Promise((resolve, reject) => {
       /** @type {OutboxEntry} */
-      const entry = { kind, frame, resolve, reject, reqId: null, attempts: 0 };
+      const entry = { kind, frame, resolve, reject, reqId: null, attempts: 0, written: false };
       this._outbox.push(entry);
       if (this.connected) this._sendEntry(entry);
     });
@@ -814,7 +1278,7 @@ export class GatewayClient {
     entry.reqId = id;
     entry.attempts++;
     this._pending.set(id, { kind: entry.kind, chatId: entry.frame.chat_id, entry });
-    this._send({ ...entry.frame, id });
+    entry.written = this._send({ ...entry.frame, id }) || entry.written;
   }
 
   /** @param {OutboxEntry} entry */
@@ -889,6 +1353,15 @@ export class GatewayClient {
     this._pending.delete(/** @type {RequestId} */ (frame.id));
     if (req.entry) {
       this._settle(req.entry);
+      const chat = this._chats.get(frame.chat_id);
+      if (chat && chat.server !== "live" && HEAD_ACKS.has(req.entry.kind) && "head" in frame
+          && typeof frame.seq === "number") {
+        // The head after the operation, as of its seq, for a chat this connection does not
+        // get live. A live one gets the `head` event, after the events that made its node:
+        // the tree never points at a node whose events are still on their way.
+        const moved = chat.tree.setHead(frame.head ?? null, frame.seq);
+        if (moved) this._emit("head", { chatId: chat.id, ...moved });
+      }
       req.entry.resolve(frame);
     } else {
       req.resolve?.(frame);
@@ -992,11 +1465,13 @@ export class GatewayClient {
       }
     }
     chat.seq = frame.seq;
+    const moved = chat.tree.apply(frame);
     const committed = frame.data?.stream_id;
     if (typeof committed === "string" && chat.streams.delete(committed)) {
       this._emit("stream", { chatId: chat.id, stream: null, id: committed, ended: "committed", frame });
     }
     this._emit("event", frame);
+    if (moved) this._emit("head", { chatId: chat.id, ...moved, frame });
   }
 
   /**

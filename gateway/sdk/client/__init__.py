@@ -78,16 +78,33 @@ markers). Use one style per chat. :meth:`GatewayClient.feed` yields the conversa
 frames (as dicts); the last ``feed_max`` are kept until read. When the client closes, the
 iterators drain what was received and then stop (or raise the terminal error).
 
+Conversations as trees
+----------------------
+
+The client keeps each chat's tree (``protocol.md``, "The conversation tree";
+:mod:`gateway.sdk.tree`) from the events it receives: :meth:`GatewayClient.head`,
+:meth:`GatewayClient.active_path` (node ids; an :class:`Event` belongs on it when
+``tree(chat_id).visible(event.frame)``), :meth:`GatewayClient.siblings` (a fork's "2/3").
+Each move of the head is a durable ``head`` event in the chat's stream; a resume with
+``since`` replays the moves (the tree never moves back to an older one), and a
+:class:`Recovery` resets the tree (reload the history, and give it to
+:meth:`GatewayClient.load_history`). :meth:`GatewayClient.retry`, :meth:`~GatewayClient.edit`,
+:meth:`~GatewayClient.undo` and :meth:`~GatewayClient.switch` are queued like messages and
+return the ``ack``; each sends the head the client knows as ``expected_head`` (unless told
+otherwise), so of two devices racing, one gets a :class:`RequestError` ``conflict`` with the
+``head`` now.
+
 The package, by concept: the items and replies the application gets (:mod:`.items`), the
 errors (:mod:`.errors`), the queue of received items (:mod:`.item_queue`), the outbox and
 the writer (:mod:`.outbox`), the requests waiting for replies (:mod:`.requests`), what is
-kept per chat (:mod:`.chats`), the connection loop (:mod:`.connection`) and the client
-itself (:mod:`.gateway_client`).
+kept per chat (:mod:`.chats`), the tree operations' frames (:mod:`.tree_ops`), the
+connection loop (:mod:`.connection`) and the client itself (:mod:`.gateway_client`).
 """
 
 # KEEP_BACKING_OFF, TERMINAL, TokenFactory, AnyItem and ChatItem are not in __all__, but stay
 # importable from here as from the module this package replaced.
 from ..streams import StreamText
+from ..tree import ConversationTree, HeadMove, Siblings, TreeNode
 from .connection import KEEP_BACKING_OFF, TERMINAL, TokenFactory  # noqa: F401
 from .errors import ClientClosed, ConnectionLost, GatewayError, RequestError, TerminalError
 from .gateway_client import GatewayClient
@@ -101,19 +118,27 @@ from .items import (  # noqa: F401
     StreamReset,
     SubscribeResult,
 )
+from .tree_ops import ANY_HEAD, KNOWN_HEAD, HeadChoice
 
 __all__ = [
+    "ANY_HEAD",
+    "KNOWN_HEAD",
     "Ack",
     "ClientClosed",
     "ConnectionLost",
+    "ConversationTree",
     "Ended",
     "Event",
     "GatewayClient",
     "GatewayError",
+    "HeadChoice",
+    "HeadMove",
     "Recovery",
     "RequestError",
+    "Siblings",
     "StreamReset",
     "StreamText",
     "SubscribeResult",
     "TerminalError",
+    "TreeNode",
 ]

@@ -1,6 +1,7 @@
 """What the client keeps per chat: whether the application wants it subscribed, the position
 it resumes from (``seq``, ``epoch``), on which connection the server has it live or
-buffered, its open streams, and the callers waiting for its ``subscribed``."""
+buffered, its open streams, its tree (nodes, head, active path), and the callers waiting
+for its ``subscribed``."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import asyncio
 
 from ... import protocol as p
 from ..streams import OpenStreams
+from ..tree import ConversationTree
 from .items import SubscribeResult
 
 
 class Chat:
     __slots__ = ("buffered_gen", "desired", "dropping", "epoch", "live_gen", "resyncing", "seq",
-                 "streams", "waiters")
+                 "streams", "tree", "waiters")
 
     def __init__(self) -> None:
         self.desired = False  # the application wants it subscribed (resubscribed on reconnect)
@@ -24,6 +26,7 @@ class Chat:
         self.buffered_gen: int | None = None  # connection on which the server buffers it
         self.waiters: list[asyncio.Future[SubscribeResult]] = []
         self.streams = OpenStreams()
+        self.tree = ConversationTree()
         self.resyncing = False  # a gap in a stream: waiting for a fresh snapshot
 
 

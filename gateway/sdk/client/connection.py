@@ -51,6 +51,9 @@ KEEP_BACKING_OFF = frozenset({TOO_MANY, BACKEND_UNAVAILABLE})
 
 TokenFactory = Callable[[], Awaitable[str] | str]
 
+TREE_OPS = frozenset({"message", "retry", "edit", "undo", "switch"})
+"""Requests whose ack carries the conversation's new head."""
+
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
 
@@ -287,6 +290,7 @@ class ConnectionLoop:
         elif kind == "ack":
             entry = self._outbox.get(rid)
             if entry is not None and not entry.future.done():
+                self._on_ack_head(conn, entry.frame, frame)
                 entry.future.set_result(msgspec.convert(frame, p.Ack))
         elif kind == "error":
             self._on_error(frame)
@@ -306,6 +310,7 @@ class ConnectionLoop:
                                           and previous_epoch != result.epoch)
         if broken:
             chat.epoch, chat.seq = result.epoch, result.seq
+            chat.tree.reset()  # the application reloads the history, and the tree with it
             self._items.put(chat_id, Recovery(chat_id, result.epoch, result.seq, previous_epoch,
                                               previous_seq, frame))
         else:
@@ -314,6 +319,9 @@ class ConnectionLoop:
                 # Live from here; a replay (if any) starts right after since.seq.
                 chat.seq = since["seq"] if since is not None else result.seq
         chat.live_gen = conn.gen
+        if "head" in result.snapshot:  # the head now, as of the reply's seq
+            head = result.snapshot["head"]
+            chat.tree.set_head(head if isinstance(head, str) else None, result.seq)
         listed = result.snapshot.get("streams")
         if listed is not None:  # omitted when we hold every open stream already
             chat.resyncing = False
@@ -328,8 +336,11 @@ class ConnectionLoop:
     def _on_error(self, frame: dict[str, Any]) -> None:
         rid = frame.get("id")
         chat_id = frame.get("chat_id")
+        head = frame.get("head")
         error = RequestError(str(frame.get("code")), str(frame.get("message")),
-                             chat_id if isinstance(chat_id, str) else None)
+                             chat_id if isinstance(chat_id, str) else None,
+                             head=head if isinstance(head, str) else None,
+                             has_head="head" in frame)
         if not isinstance(rid, int):
             log.warning("gateway error: %s", error)
             return
@@ -382,6 +393,7 @@ class ConnectionLoop:
             if chat.seq is not None and seq > chat.seq + 1:
                 log.warning("%s: seq jumped from %d to %d", chat_id, chat.seq, seq)
             chat.seq = seq
+            chat.tree.apply(frame)
         else:
             seq = None
         self._items.put(chat_id, Event(chat_id, kind, seq, frame.get("ts"), frame.get("data"),
@@ -390,7 +402,22 @@ class ConnectionLoop:
             # The server ended the subscription; resubscribing would recreate the chat.
             chat.desired = False
             chat.seq = chat.epoch = chat.live_gen = chat.buffered_gen = None
+            chat.tree.reset()
             self._items.put(chat_id, Ended(chat_id, "deleted"))
+
+    def _on_ack_head(self, conn: Conn, request: dict[str, Any], frame: dict[str, Any]) -> None:
+        """A message's or tree operation's ack tells the head after it, as of its seq: taken
+        for a chat this connection does not get live. A live one gets the ``head`` event,
+        after the events that made its node, so the tree never points at a node whose
+        events are still on their way."""
+        seq = frame.get("seq")
+        if "head" not in frame or not isinstance(seq, int) or request["type"] not in TREE_OPS:
+            return
+        chat = self._chat(request["chat_id"])
+        if chat.live_gen == conn.gen:
+            return
+        head = frame["head"]
+        chat.tree.set_head(head if isinstance(head, str) else None, seq)
 
     def _chat(self, chat_id: str) -> Chat:
         chat = self._chats.get(chat_id)

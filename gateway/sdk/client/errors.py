@@ -8,13 +8,20 @@ class GatewayError(Exception):
 
 
 class RequestError(GatewayError):
-    """The server answered a request with an ``error`` frame (or it was refused locally)."""
+    """The server answered a request with an ``error`` frame (or it was refused locally).
 
-    def __init__(self, code: str, message: str, chat_id: str | None = None) -> None:
-        super().__init__(f"{code}: {message}")
+    A refused tree operation (``conflict``, ``turn_in_progress``, ``not_on_path``,
+    ``nothing_to_retry``, ``nothing_to_undo``, ...) tells the conversation's head now:
+    ``head`` (None for none), with ``has_head`` true."""
+
+    def __init__(self, code: str, message: str, chat_id: str | None = None, *,
+                 head: str | None = None, has_head: bool = False) -> None:
+        super().__init__(f"{code}: {message}" + (f" (head: {head})" if has_head else ""))
         self.code = code
         self.message = message
         self.chat_id = chat_id
+        self.head = head
+        self.has_head = has_head
 
 
 class TerminalError(GatewayError):

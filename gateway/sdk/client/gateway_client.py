@@ -15,6 +15,7 @@ from typing import Any
 
 from ... import protocol as p
 from ..streams import StreamText
+from ..tree import ConversationTree, Siblings
 from .chats import Chat, check_chat_id
 from .connection import Conn, ConnectionLoop, TokenFactory
 from .errors import ClientClosed, GatewayError
@@ -22,6 +23,7 @@ from .item_queue import ItemIterator, ItemQueue
 from .items import AnyItem, ChatItem, Ended, SubscribeResult
 from .outbox import DEFAULT_LIMITS, Outbox, Outgoing
 from .requests import Request, Requests
+from .tree_ops import KNOWN_HEAD, ExpectedHead, op_frame
 
 
 class GatewayClient(ConnectionLoop):
@@ -139,6 +141,84 @@ class GatewayClient(ConnectionLoop):
         chat = self._chats.get(chat_id)
         return (chat.seq, chat.epoch) if chat is not None else (None, None)
 
+    # --- the conversation tree -----------------------------------------------------------
+
+    def tree(self, chat_id: str) -> ConversationTree:
+        """The chat's tree as the client keeps it from the events (read it, do not change
+        it): its nodes, head, active path, siblings. It starts empty at the first subscribe
+        (a subscribe without ``since`` knows the head, then the nodes made from then on);
+        :meth:`load_history` fills in what came before. A :class:`Recovery` resets it."""
+        return self._chat(chat_id).tree
+
+    def head(self, chat_id: str) -> str | None:
+        """The node the next message follows (a turn), or None: none, or not known yet."""
+        chat = self._chats.get(chat_id)
+        return chat.tree.head if chat is not None else None
+
+    def active_path(self, chat_id: str) -> list[str]:
+        """The node ids of the active path, from the first message the client knows of to
+        the head: what a chat UI shows (events whose ``node`` is on it, or with none)."""
+        chat = self._chats.get(chat_id)
+        return chat.tree.path() if chat is not None else []
+
+    def siblings(self, chat_id: str, node_id: str) -> Siblings:
+        """The versions of a node (itself included, in creation order) and its index: for
+        a "2/3" version switch. A node whose siblings the client does not know is alone."""
+        return self.tree(chat_id).siblings(node_id)
+
+    def load_history(self, chat_id: str, page: dict[str, Any]) -> None:
+        """Fill the chat's tree from a page of ``GET /v1/conversations/{chat_id}/events``
+        (its events, ``forks`` and ``head``), e.g. after a :class:`Recovery` or before the
+        first subscribe. A page of another epoch than the client's is ignored."""
+        check_chat_id(chat_id)
+        chat = self._chat(chat_id)
+        if chat.epoch is not None and page.get("epoch") not in (None, chat.epoch):
+            return
+        chat.tree.load_page(page)
+
+    def retry(self, chat_id: str, *, expected_head: ExpectedHead = KNOWN_HEAD,
+              cancel: bool = False) -> asyncio.Future[p.Ack]:
+        """Queue a ``retry``: a new answer to the head turn's message. The ack has the new
+        turn's ``turn_id`` and ``head``. ``expected_head`` defaults to the head the client
+        knows (:data:`ANY_HEAD`: none); ``cancel`` ends a running turn first. Refusals fail
+        with :class:`RequestError` (``conflict``, ``nothing_to_retry``, ``turn_in_progress``;
+        ``head`` set). Not repeated after a connection loss once written (it is not
+        idempotent): it then fails with :class:`ConnectionLost`."""
+        return self._tree_op("retry", chat_id, expected_head, cancel)
+
+    def edit(self, chat_id: str, msg_id: str, text: str, *, client_msg_id: str | None = None,
+             expected_head: ExpectedHead = KNOWN_HEAD,
+             cancel: bool = False) -> asyncio.Future[p.Ack]:
+        """Queue an ``edit`` of the user message ``msg_id`` (on the active path): a new
+        version beside it, with ``text``, and a turn answering it. The ack has the new
+        message's ``msg_id``, the ``turn_id`` and ``head``. As :meth:`retry` otherwise
+        (``not_on_path``, ``not_found`` too)."""
+        fields: dict[str, Any] = {"msg_id": msg_id, "text": text}
+        if client_msg_id is not None:
+            fields["client_msg_id"] = client_msg_id
+        return self._tree_op("edit", chat_id, expected_head, cancel, **fields)
+
+    def undo(self, chat_id: str, *, expected_head: ExpectedHead = KNOWN_HEAD,
+             cancel: bool = False) -> asyncio.Future[p.Ack]:
+        """Queue an ``undo``: the head moves back before the active path's last user
+        message, whose ``text`` (and ``msg_id``, ``client_msg_id``) the ack gives back (put
+        it in the composer). Nothing is deleted: :meth:`switch` to that message redoes it.
+        As :meth:`retry` otherwise (``nothing_to_undo``)."""
+        return self._tree_op("undo", chat_id, expected_head, cancel)
+
+    def switch(self, chat_id: str, node_id: str, *, expected_head: ExpectedHead = KNOWN_HEAD,
+               cancel: bool = False) -> asyncio.Future[p.Ack]:
+        """Queue a ``switch``: the head moves to the leaf last active below ``node_id``
+        (another version at a fork, or redo after an undo). As :meth:`retry` otherwise."""
+        return self._tree_op("switch", chat_id, expected_head, cancel, node_id=node_id)
+
+    def _tree_op(self, kind: str, chat_id: str, expected_head: ExpectedHead, cancel: bool,
+                 **fields: Any) -> asyncio.Future[p.Ack]:
+        check_chat_id(chat_id)
+        frame = op_frame(kind, chat_id, self._chat(chat_id).tree, expected_head, cancel,
+                         **fields)
+        return self._submit(frame, retry_safe=False)
+
     async def close(self) -> None:
         """Close the connection; pending calls fail with :class:`ClientClosed`, iterators
         drain what was received and stop."""
@@ -194,6 +274,7 @@ class GatewayClient(ConnectionLoop):
         chat = self._chat(chat_id)
         chat.desired, chat.dropping = False, True
         chat.seq = chat.epoch = chat.live_gen = chat.buffered_gen = None
+        chat.tree.reset()
         self._items.put(chat_id, Ended(chat_id, "left"))
         conn = self._conn
         if conn is not None:

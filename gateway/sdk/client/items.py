@@ -12,7 +12,7 @@ from ..streams import StreamText
 from .errors import RequestError
 
 Ack = p.Ack
-"""The ``ack`` reply to a message or a cancel."""
+"""The ``ack`` reply to a message, a cancel or a tree operation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,13 @@ class Event:
     @property
     def durable(self) -> bool:
         return self.seq is not None
+
+    @property
+    def node(self) -> str | None:
+        """The tree node a durable event belongs to (a ``msg_id`` or a ``turn_id``), or None
+        for a conversation-level event."""
+        node = self.frame.get("node")
+        return node if isinstance(node, str) else None
 
     @property
     def stream_id(self) -> str | None:
