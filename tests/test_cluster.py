@@ -24,7 +24,7 @@ from gateway.redis.keys import room_channel
 from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port
 from .faults import until
-from .steps import publish, send_message
+from .steps import message_and_reply, publish, send_message
 from .wsclient import Frame, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
@@ -92,6 +92,37 @@ async def test_core_paths_on_the_cluster(pair: list[GatewayProcess]) -> None:
         assert [c["chat_id"] for c in listed["conversations"]] == [chat]
         assert (await http.delete(f"/v1/conversations/{chat}")).status_code in (200, 204)
         assert (await http.get(f"/v1/conversations/{chat}")).status_code == 404
+
+
+async def test_tree_operations_on_every_shard(pair: list[GatewayProcess],
+                                             cluster: ValkeyCluster) -> None:
+    """Retry, undo and switch on a chat of each shard: the tree lives in the chat's slot, and
+    a device on the other gateway follows every head move."""
+    a, b = pair
+    user = "tree" + uuid.uuid4().hex[:6]
+    for group in chats_on_every_shard(cluster, per_shard=1).values():
+        chat = group[0]
+        async with connect(a.url(user)) as ws, connect(b.url(user)) as follower:
+            await ws.subscribe(chat)
+            await follower.subscribe(chat)
+            ack, (*_, first) = await message_and_reply(ws, chat, "hi")
+            assert first["type"] == "head" and ack["head"] == first["data"]["head_id"]
+            await publish(b, chat, {"type": "turn_end", "data": {"reason": "complete"}})
+            heads = []
+            for frame in ({"type": "retry"}, {"type": "undo"},
+                          {"type": "switch", "node_id": first["data"]["head_id"]}):
+                await ws.send({**frame, "chat_id": chat})
+                ack = await ws.wait_for(lambda f: f.get("type") in ("ack", "error"))
+                assert ack["type"] == "ack", ack
+                heads.append(ack["head"])
+                if frame["type"] == "retry":
+                    await publish(b, chat, {"type": "turn_end", "data": {}})
+            moves = []
+            while len(moves) < 4:  # the message's head move, then the three operations'
+                f = await follower.wait_for(lambda f: f.get("type") == "head")
+                moves.append(f["data"]["head_id"])
+            assert moves == [first["data"]["head_id"], *heads], (moves, heads)
+            assert heads[1] is None and heads[2] == first["data"]["head_id"] != heads[0]
 
 
 async def test_chats_on_every_shard_reach_both_gateways(
