@@ -175,17 +175,9 @@ class Room:
         if frame.is_deleted:  # every member must act on it: take them all off the fast lane
             self.demote_all()
         if self.text_writers:
-            data = frame.wire_text
-            n = len(self.text_writers)
-            counts.direct += n
-            counts.bytes_out += n * len(data)
-            _write_all(self.text_writers, data)
+            _write_all(self.text_writers, frame.wire_text)
         if self.binary_writers:
-            data = frame.wire_binary
-            n = len(self.binary_writers)
-            counts.direct += n
-            counts.bytes_out += n * len(data)
-            _write_all(self.binary_writers, data)
+            _write_all(self.binary_writers, frame.wire_binary)
         if self.slow:
             counts.handed += len(self.slow)
             chat_id = self.chat_id
@@ -205,12 +197,16 @@ class Room:
 
 
 def _write_all(writers: dict[Write, Seat], data: bytes) -> None:
-    """``write(data)`` for every writer: the whole per-recipient cost of the fast lane.
+    """``write(data)`` for every writer: the whole per-recipient cost of the fast lane
+    (counted once, by the size of the set).
 
     Iterates over a snapshot: a write can pause its transport, which takes that member out
     of the set at once. A transport that died without telling us yet raises; it is dropped
     (its session is closing) and the loop goes on with the next writer.
     """
+    n = len(writers)
+    COUNTS.direct += n
+    COUNTS.bytes_out += n * len(data)
     pending = iter(tuple(writers))
     while True:
         try:
