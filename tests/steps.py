@@ -50,28 +50,32 @@ async def history_page(gw: Any, user: str, chat_id: str, *, after: int = 0, limi
     return page
 
 
-async def history_with_epoch(gw: Any, user: str, chat_id: str,
-                             role: str = "user") -> tuple[str, list[Frame]]:
-    """Every stored event of ``chat_id``, page after page, and the epoch they all belong to."""
-    page = await history_page(gw, user, chat_id, role=role)
+async def history_with_epoch(gw: Any, user: str, chat_id: str, role: str = "user",
+                             view: str = "all") -> tuple[str, list[Frame]]:
+    """Every stored event of ``chat_id`` (``view="active"``: the active path's), page after
+    page, and the epoch they all belong to."""
+    page = await history_page(gw, user, chat_id, role=role, view=view)
     epoch, events = page["epoch"], list(page["events"])
     while page["events"] and page["next_after"] is not None:
-        page = await history_page(gw, user, chat_id, after=page["next_after"], role=role)
+        page = await history_page(gw, user, chat_id, after=page["next_after"], role=role,
+                                  view=view)
         assert page["epoch"] == epoch, "the history was recreated while it was read"
         events += page["events"]
     return epoch, events
 
 
-async def history(gw: Any, user: str, chat_id: str, role: str = "user") -> list[Frame]:
-    """Every stored event of ``chat_id``, in order, as ``user`` reads them."""
-    return (await history_with_epoch(gw, user, chat_id, role))[1]
+async def history(gw: Any, user: str, chat_id: str, role: str = "user",
+                  view: str = "all") -> list[Frame]:
+    """Every stored event of ``chat_id`` (``view="active"``: the active path's), in order,
+    as ``user`` reads them."""
+    return (await history_with_epoch(gw, user, chat_id, role, view))[1]
 
 
-def history_sync(gw: Any, user: str, chat_id: str) -> list[Frame]:
+def history_sync(gw: Any, user: str, chat_id: str, view: str = "all") -> list[Frame]:
     """:func:`history` for a synchronous test; it runs on a thread of its own, since the
     caller's thread may hold an event loop (Playwright's sync API does)."""
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, history(gw, user, chat_id)).result()
+        return pool.submit(asyncio.run, history(gw, user, chat_id, view=view)).result()
 
 
 # --- messages ---------------------------------------------------------------------------

@@ -193,16 +193,18 @@ def watch_deltas(gw: GatewayProcess, user: str, chat_id: str, count: int) -> Non
 
 
 def assert_transcript(page: Any, gw: GatewayProcess, user: str, chat_id: str) -> None:
-    """Every stored message shows exactly once, in order, with its text; nothing else does."""
+    """Every stored message of the active path shows exactly once, in order, with its text;
+    nothing else does."""
+    path = history(gw, user, chat_id, view="active")
     stored = [(e["seq"], "user" if e["type"] == "user_message" else "assistant", e["data"]["text"])
-              for e in history(gw, user, chat_id) if e["type"] in ("user_message", "message")]
+              for e in path if e["type"] in ("user_message", "message")]
     shown = page.eval_on_selector_all(
         '[data-testid="messages"] [data-testid="message"]',
         "els => els.map(e => [Number(e.dataset.seq), e.dataset.role, e.innerText.trim()])")
     # The page shows a stopped reply with a "stopped" note under the text.
     shown = [(seq, role, text.removesuffix("\nstopped").strip()) for seq, role, text in shown]
     assert [(s, r, t.strip()) for s, r, t in stored] == [tuple(x) for x in shown]
-    ends = [e["seq"] for e in history(gw, user, chat_id) if e["type"] == "turn_end"]
+    ends = [e["seq"] for e in path if e["type"] == "turn_end"]
     latencies = page.eval_on_selector_all('[data-testid="turn-latency"]',
                                           "els => els.map(e => Number(e.dataset.seq))")
     assert latencies == ends
