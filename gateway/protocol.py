@@ -15,7 +15,7 @@ MSGPACK_SUBPROTOCOL = "gateway.v1.msgpack"
 
 # ``\Z``, not ``$``: Python's ``$`` also matches before a final newline.
 CHAT_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}\Z"
-EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_.]{0,63}$"
+EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_.]{0,63}\Z"
 CHAT_ID_RE = re.compile(CHAT_ID_PATTERN)
 
 ChatId = Annotated[str, msgspec.Meta(pattern=CHAT_ID_PATTERN)]

@@ -240,6 +240,7 @@ async def test_http_publish_validation(gateway: Any, user: str, chat_id: str) ->
             ({"events": [{"type": "ok"}, {"type": "Not-OK"}]}, "$.events[1].type"),
             ({"events": [{"type": "x"}] * 501}, "$.events"),
             ([{"type": "note"}], "array"),
+            ({"type": "note\n", "data": {}}, "$.type"),  # `$` matched before a final newline
         ]
         for body, field in cases:
             resp = await http.post(url, json=body, headers=service)
