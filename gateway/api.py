@@ -488,9 +488,7 @@ async def tree(request: Request) -> Response:
     found = await _gateway(request).store.tree(chat_id)
     if found is None:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
-    forks = [ForkLeaf(None, found.leaf(found.last_root))] if (
-        len(found.roots) > 1 and found.last_root) else []
-    forks += [ForkLeaf(n.id, found.leaf(n.id)) for n in found.nodes if len(n.children) > 1]
+    forks = [ForkLeaf(node_id, leaf) for node_id, leaf in found.forks()]
     nodes = [TreeNodeView(n.id, "user" if n.kind == "user" else "turn", n.parent_id, n.seq,
                           n.preview, n.children) for n in found.nodes]
     return JSONResponse(_encode(TreeView(chat_id, found.head, found.roots, forks, nodes)))

@@ -162,14 +162,23 @@ class Tree(msgspec.Struct, frozen=True):
     roots: list[str]  # the first messages (siblings when the first was edited)
     last_root: str | None  # the first message on the last active path
 
-    def leaf(self, node_id: str) -> str:
-        """The leaf last active below ``node_id``."""
+    def forks(self) -> list[tuple[str | None, str]]:
+        """Every fork (a node with several children; None for the first messages) and the
+        leaf last active below it: where a switch to it goes."""
         by_id = {n.id: n for n in self.nodes}
-        node = by_id.get(node_id)
-        while node is not None and node.last_child:
-            node_id = node.last_child
+
+        def leaf(node_id: str) -> str:
             node = by_id.get(node_id)
-        return node_id
+            while node is not None and node.last_child:
+                node_id = node.last_child
+                node = by_id.get(node_id)
+            return node_id
+
+        found: list[tuple[str | None, str]] = []
+        if len(self.roots) > 1 and self.last_root:
+            found.append((None, leaf(self.last_root)))
+        found += [(n.id, leaf(n.id)) for n in self.nodes if len(n.children) > 1]
+        return found
 
 
 class History(msgspec.Struct, frozen=True):
