@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.embedded import EmbeddedRedis
 from gateway.redis.agent_inbox import inbox_key, inbox_partition, partitions
 
+from . import faults
 from .conftest import GatewayProcess, connect, free_port
 from .steps import create, message_and_reply, post_events, publish
 
@@ -248,14 +249,18 @@ def per_worker(directory: str, name: str) -> dict[str, float]:
 
 async def spread(gw: GatewayProcess, user: str, directory: str) -> int:
     """Open connections until both workers have served some; returns how many."""
-    for opened in range(1, 101):
-        async with connect(gw.url(user)):
-            pass
-        counts = per_worker(directory, "gateway_connections_opened_total")
-        if opened >= 4 and len(counts) == 2 and all(counts.values()):
+    def written() -> dict[str, float]:
+        return per_worker(directory, "gateway_connections_opened_total")
+
+    for opened in range(4, 101, 4):
+        for _ in range(4):
+            async with connect(gw.url(user)):
+                pass
+        # The workers write their counts every 2 s: wait until every connection shows.
+        assert await faults.until(lambda n=opened: sum(written().values()) >= n, timeout=10)
+        counts = written()
+        if len(counts) == 2 and all(counts.values()):
             return opened
-        if opened % 4 == 0:  # the workers write their counts every 2 s
-            await asyncio.sleep(0.5)
     raise AssertionError("every connection went to the same worker")
 
 
