@@ -165,6 +165,8 @@ class Conversation(msgspec.Struct, frozen=True):
     goal_state: p.GoalState | None
     preview: str | None
     head: str | None  # the node the next message follows (protocol.md, the tree)
+    usage: p.UsageTotals
+    message_count: int  # user messages and turns on the active path
 
     @classmethod
     def of(cls, chat_id: str, meta: Meta) -> Conversation:
@@ -172,7 +174,8 @@ class Conversation(msgspec.Struct, frozen=True):
         return cls(chat_id, meta.owner, meta.title,
                    "running" if meta.status == "running" else "idle", meta.turn_id,
                    meta.epoch, meta.seq, meta.created_at, meta.updated_at, goal, meta.preview,
-                   meta.head)
+                   meta.head, p.UsageTotals.of(meta.usage_billed, meta.usage_active),
+                   meta.message_count)
 
 
 class ConversationPage(msgspec.Struct, frozen=True):

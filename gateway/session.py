@@ -553,6 +553,8 @@ def _snapshot(meta: Meta, binary: bool,
         goal_state=goal,
         head=meta.head,
         streams=streams,
+        usage=p.UsageTotals.of(meta.usage_billed, meta.usage_active),
+        message_count=meta.message_count,
     )
 
 

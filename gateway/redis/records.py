@@ -84,6 +84,9 @@ class Meta(msgspec.Struct, frozen=True):
     created_at: int
     updated_at: int
     head: str | None = None  # the node the next message follows
+    usage_billed: bytes = b"{}"  # JSON: every turn's usage, on every branch
+    usage_active: bytes = b"{}"  # JSON: the usage of the turns on the active path
+    message_count: int = 0  # nodes on the active path: user messages and turns
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -113,6 +116,9 @@ class Meta(msgspec.Struct, frozen=True):
             created_at=number("created_at") or 0,
             updated_at=number("updated_at") or number("created_at") or 0,
             head=text("head"),
+            usage_billed=(get("usage_billed") or "{}").encode(),
+            usage_active=(get("usage_active") or "{}").encode(),
+            message_count=number("msgs") or 0,
         )
 
 

@@ -68,6 +68,14 @@ export interface StreamSnapshot {
   pos: number;
 }
 
+/** What a conversation's turns cost, as their agents reported it (`input_tokens`,
+ * `output_tokens`, `cost`, ...): `billed` sums every turn ever, on every branch, and only
+ * grows; `active` sums the turns on the active path and follows the head. */
+export interface UsageTotals {
+  billed: Record<string, number>;
+  active: Record<string, number>;
+}
+
 export interface Snapshot {
   title: string | null;
   status: "idle" | "running";
@@ -78,6 +86,9 @@ export interface Snapshot {
   head?: string | null;
   /** Every open stream; omitted when the connection already holds them all. */
   streams?: StreamSnapshot[];
+  usage?: UsageTotals;
+  /** User messages and turns on the active path. */
+  message_count?: number;
 }
 
 export interface SubscribedFrame {
@@ -142,6 +153,9 @@ export interface ConversationFrame {
   last_seq: number;
   goal_state: GoalState | null;
   preview: string | null;
+  /** Absent on a deletion. */
+  usage?: UsageTotals;
+  message_count?: number;
   created: boolean;
   deleted: boolean;
 }
