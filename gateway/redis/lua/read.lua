@@ -3,7 +3,8 @@
 -- chat creates it). gateway/redis/scripts.py (ReadScript) builds the arguments and decodes
 -- the reply.
 --
--- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4 .. 3+k] the text key of
+-- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4] the turn starts,
+-- KEYS[5 .. 4+k] the text key of
 -- each streamed type, in ARGV[6]'s order
 -- ARGV[1] seq to read after ("" = the state only), ARGV[2] most frames to return
 -- ARGV[3] owner to create the conversation for when it does not exist ("" = do not)
@@ -31,7 +32,7 @@ for typ in string.gmatch(ARGV[6], '[^,]+') do
   local s = open_stream(m, typ)
   if s then
     streams[#streams + 1] = {type = typ, id = s.id, turn_id = s.turn, pos = s.pos,
-                             text = redis.call('GET', KEYS[3 + k]) or ''}
+                             text = redis.call('GET', KEYS[4 + k]) or ''}
   end
 end
 if #streams > 0 then reply.streams = streams end
