@@ -41,8 +41,8 @@ ExpectedHead = NodeId | None | msgspec.UnsetType
 # Event types whose meaning the gateway owns: agents cannot publish them as-is.
 GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
-     "stream_discarded", "head", "hello", "subscribed", "unsubscribed", "left", "ack", "pong",
-     "error"}
+     "stream_discarded", "head", "child", "hello", "subscribed", "unsubscribed", "left",
+     "ack", "pong", "error"}
 )
 
 
@@ -167,6 +167,14 @@ class StreamSnapshot(msgspec.Struct):
     pos: int
 
 
+class ChildSummary(msgspec.Struct, frozen=True):
+    """A sub-conversation as its parent lists it."""
+
+    chat_id: str
+    title: str | None
+    status: Literal["idle", "running"]
+
+
 class Snapshot(msgspec.Struct, omit_defaults=True):
     title: str | None
     status: Literal["idle", "running"]
@@ -177,6 +185,7 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     # drain, or a subscribe to a chat that is already live).
     streams: list[StreamSnapshot] | None = None
     head: str | msgspec.UnsetType | None = msgspec.UNSET  # the node the next message follows
+    children: list[ChildSummary] | msgspec.UnsetType = msgspec.UNSET  # omitted: none
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):

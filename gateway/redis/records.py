@@ -27,6 +27,7 @@ class OutEvent(msgspec.Struct, frozen=True, kw_only=True):
     title_source: str = ""  # title: who set it ("user", "agent")
     attempt: str = ""  # a streamed delta or its commit: which run of the turn sent it
     fill: bool = False  # a commit without text: it takes the stream's text
+    child: str = ""  # child: the sub-conversation's chat id
 
 
 class TreeOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,6 +85,7 @@ class Meta(msgspec.Struct, frozen=True):
     created_at: int
     updated_at: int
     head: str | None = None  # the node the next message follows
+    parent: str | None = None  # a sub-conversation: its parent's chat id
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -113,6 +115,7 @@ class Meta(msgspec.Struct, frozen=True):
             created_at=number("created_at") or 0,
             updated_at=number("updated_at") or number("created_at") or 0,
             head=text("head"),
+            parent=text("parent"),
         )
 
 

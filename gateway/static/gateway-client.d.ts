@@ -68,6 +68,13 @@ export interface StreamSnapshot {
   pos: number;
 }
 
+/** A sub-conversation as its parent lists it (`snapshot.children`, `GET .../children`). */
+export interface ChildSummary {
+  chat_id: string;
+  title: string | null;
+  status: "idle" | "running";
+}
+
 export interface Snapshot {
   title: string | null;
   status: "idle" | "running";
@@ -78,6 +85,8 @@ export interface Snapshot {
   head?: string | null;
   /** Every open stream; omitted when the connection already holds them all. */
   streams?: StreamSnapshot[];
+  /** The conversation's sub-conversations, oldest first; omitted when it has none. */
+  children?: ChildSummary[];
 }
 
 export interface SubscribedFrame {
@@ -142,6 +151,8 @@ export interface ConversationFrame {
   last_seq: number;
   goal_state: GoalState | null;
   preview: string | null;
+  /** A sub-conversation's parent (null for a top-level one); absent when deleted. */
+  parent?: string | null;
   created: boolean;
   deleted: boolean;
 }
@@ -183,6 +194,8 @@ export type TurnEndEvent = EventFrame<"turn_end", {
 export type GoalStateEvent = EventFrame<"goal_state", GoalState>;
 export type TitleEvent = EventFrame<"title", { title: string; previous: string | null; source: string }>;
 export type DeletedEvent = EventFrame<"deleted", { epoch: string; last_seq: number }>;
+/** A sub-conversation was opened (conversation-level: no `node`). */
+export type ChildEvent = EventFrame<"child", { chat_id: string; title: string | null }>;
 
 /** A page of `GET /v1/conversations/{chat_id}/events`. */
 export interface HistoryPage {

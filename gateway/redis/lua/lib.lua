@@ -70,5 +70,6 @@ local function announce(chat, m, now, created)
     ',"goal_state":' .. (m.goal ~= '' and m.goal or 'null') ..
     ',"preview":' .. (m.preview ~= '' and cjson.encode(m.preview) or 'null') ..
     ',"head":' .. ((m.head or '') ~= '' and cjson.encode(m.head) or 'null') ..
+    ',"parent":' .. ((m.parent or '') ~= '' and cjson.encode(m.parent) or 'null') ..
     ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}'
 end

@@ -3,7 +3,8 @@
 --
 -- KEYS[1] meta hash, KEYS[2] event log (a Redis Stream), KEYS[3] the tree (tree.lua)
 -- KEYS[4 .. 3+k] the text key of each streamed type, in ARGV[9]'s order
--- KEYS[4+k] idempotency key (optional)
+-- KEYS[4+k] the sub-conversations (a sorted set: chat id -> created ms)
+-- KEYS[5+k] idempotency key (optional)
 -- ARGV[1] room channel (a sharded channel in the conversation's slot)
 -- ARGV[2] log max length      ARGV[3] idempotency ttl (s)
 -- ARGV[4] owner to create the conversation for when it does not exist ("" = must exist)
@@ -28,6 +29,7 @@
 --   cancel_requested  the turn it cancels, or "" for the running one; needs a running turn
 --   goal_state    (none) data is stored as the conversation's goal snapshot
 --   title         the title's source; data is the new title (raw text)
+--   child         the sub-conversation's chat id, added to KEYS[4+k]; data {chat_id, title}
 --   a streamed type (ephemeral, while a turn runs)  the run's attempt: the delta joins its
 --                 type's open stream ("stream":{"id","pos"}), or opens one; an open stream
 --                 of another attempt is discarded first
@@ -49,7 +51,7 @@
 -- streams committed as partials on its branch).
 --
 -- Every durable event of a node is stored with its node id (log field "n"; "" for the
--- conversation-level types title, goal_state and head) and its frame carries "node".
+-- conversation-level types title, goal_state, head and child) and its frame carries "node".
 --
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
@@ -78,7 +80,8 @@ for typ in string.gmatch(ARGV[9], '[^,]+') do
   local commit = typ == 'delta' and 'message' or string.sub(typ, 1, -7)
   commit_type[typ], streamed_type[commit] = commit, typ
 end
-local idem = KEYS[4 + k]
+local children = KEYS[4 + k]
+local idem = KEYS[5 + k]
 
 local function refuse(code, message, head)
   return cjson.encode({error = {code = code, message = message, head = head}})
@@ -268,7 +271,7 @@ local touched = {}  -- stream headers to write back
 local opened = 0
 local started_or_cancelled = nil
 local message_node = nil  -- the user_message this batch added
-local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true}
+local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true, child = true}
 
 -- The node a durable event belongs to ("" for the conversation itself).
 local function node_of(typ, arg)
@@ -359,6 +362,8 @@ for i = 0, n - 1 do
            ',"source":' .. cjson.encode(arg) .. '}'
     m.title = ARGV[base + 2 + i * 4]
     listed, changed = true, true
+  elseif typ == 'child' then
+    redis.call('ZADD', children, now, arg)
   elseif text_key[typ] and not durable and m.status == 'running' then
     local s = open_stream(m, typ)
     if s and (s.turn ~= m.turn_id or s.attempt ~= arg) then

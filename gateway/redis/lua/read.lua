@@ -4,7 +4,7 @@
 -- the reply.
 --
 -- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4 .. 3+k] the text key of
--- each streamed type, in ARGV[6]'s order
+-- each streamed type, in ARGV[6]'s order, KEYS[4+k] the sub-conversations (unused here)
 -- ARGV[1] seq to read after ("" = the state only), ARGV[2] most frames to return
 -- ARGV[3] owner to create the conversation for when it does not exist ("" = do not)
 -- ARGV[4] epoch for a new conversation, ARGV[5] chat id, ARGV[6] streamed types,
