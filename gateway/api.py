@@ -166,6 +166,8 @@ class Conversation(msgspec.Struct, frozen=True):
     goal_state: p.GoalState | None
     preview: str | None
     head: str | None  # the node the next message follows (protocol.md, the tree)
+    usage: p.UsageTotals
+    message_count: int  # user messages and turns on the active path
     parent: str | None = None  # a sub-conversation: its parent's chat_id
 
     @classmethod
@@ -174,7 +176,8 @@ class Conversation(msgspec.Struct, frozen=True):
         return cls(chat_id, meta.owner, meta.title,
                    "running" if meta.status == "running" else "idle", meta.turn_id,
                    meta.epoch, meta.seq, meta.created_at, meta.updated_at, goal, meta.preview,
-                   meta.head, parent=meta.parent)
+                   meta.head, p.UsageTotals.of(meta.usage_billed, meta.usage_active),
+                   meta.message_count, parent=meta.parent)
 
 
 class Children(msgspec.Struct, frozen=True):

@@ -229,7 +229,8 @@ class Conversations:
         """``chat_id``'s sub-conversations, oldest first, as its snapshot and
         ``GET .../children`` list them."""
         return [p.ChildSummary(child, meta.title,
-                               "running" if meta.status == "running" else "idle")
+                               "running" if meta.status == "running" else "idle",
+                               p.UsageTotals.of(meta.usage_billed, meta.usage_active))
                 for child, meta in await self.store.children(chat_id)]
 
     async def rename(self, who: Principal, chat_id: str, title: str) -> Published:

@@ -559,6 +559,8 @@ def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None =
         goal_state=goal,
         head=meta.head,
         streams=streams,
+        usage=p.UsageTotals.of(meta.usage_billed, meta.usage_active),
+        message_count=meta.message_count,
         children=children or msgspec.UNSET,
     )
 

@@ -17,7 +17,7 @@ from gateway.redis.backend import Backend
 from gateway.redis.store import Store
 from gateway.sdk.agent import Turn
 
-from .steps import children, create, history, open_child
+from .steps import children, create, history, open_child, publish
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio
@@ -32,6 +32,9 @@ async def store(redis_url: str) -> AsyncIterator[Store]:
         yield Store(Backend.of(client, settings), settings)
     finally:
         await client.aclose()
+
+
+NO_USAGE = {"billed": {}, "active": {}}
 
 
 def new_id() -> str:
@@ -77,14 +80,14 @@ async def test_a_child_over_http_is_an_event_and_a_listed_child_of_its_parent(
         assert [e["type"] for e in await history(gateway, user, chat_id, view=view)] == [
             "title", "child"]
     assert await children(gateway, user, chat_id) == [
-        {"chat_id": child, "title": "Book hotels", "status": "idle"}]
+        {"chat_id": child, "title": "Book hotels", "status": "idle", "usage": NO_USAGE}]
     assert (await get(gateway, user, chat_id)).json()["parent"] is None
     assert (await get(gateway, user, child)).json()["parent"] == chat_id
     # And in the parent's snapshot (a child's own snapshot has none).
     async with connect(gateway.url(user)) as ws:
         snapshot = (await ws.subscribe(chat_id))["snapshot"]
         assert snapshot["children"] == [
-            {"chat_id": child, "title": "Book hotels", "status": "idle"}]
+            {"chat_id": child, "title": "Book hotels", "status": "idle", "usage": NO_USAGE}]
         assert "children" not in (await ws.subscribe(child))["snapshot"]
         # Subscribing again to a live chat: the snapshot still lists them.
         again = (await ws.subscribe(chat_id))["snapshot"]
@@ -98,12 +101,17 @@ async def test_children_are_listed_oldest_first_with_their_status(
     for child in (first, second):
         assert (await open_child(gateway, user, chat_id, child)).status_code == 201
     async with connect(gateway.url(user)) as ws:
-        await ws.send({"type": "message", "chat_id": second, "text": "go",
-                       "client_msg_id": "m1"})
-        await ws.expect("ack", chat_id=second)
+        for child in (first, second):
+            await ws.send({"type": "message", "chat_id": child, "text": "go",
+                           "client_msg_id": "m1"})
+            await ws.expect("ack", chat_id=child)
+    await publish(gateway, first, {"type": "turn_end", "data": {
+        "usage": {"input_tokens": 12, "cost": 0.5}}})
+    spent = {"input_tokens": 12, "cost": 0.5}
     assert await children(gateway, user, chat_id) == [
-        {"chat_id": first, "title": None, "status": "idle"},
-        {"chat_id": second, "title": None, "status": "running"}]
+        {"chat_id": first, "title": None, "status": "idle",
+         "usage": {"billed": spent, "active": spent}},
+        {"chat_id": second, "title": None, "status": "running", "usage": NO_USAGE}]
 
 
 async def test_who_may_open_a_child(gateway: Any, user: str, chat_id: str) -> None:

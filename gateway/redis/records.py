@@ -85,6 +85,9 @@ class Meta(msgspec.Struct, frozen=True):
     created_at: int
     updated_at: int
     head: str | None = None  # the node the next message follows
+    usage_billed: bytes = b"{}"  # JSON: every turn's usage, on every branch
+    usage_active: bytes = b"{}"  # JSON: the usage of the turns on the active path
+    message_count: int = 0  # nodes on the active path: user messages and turns
     parent: str | None = None  # a sub-conversation: its parent's chat id
 
     @classmethod
@@ -115,6 +118,9 @@ class Meta(msgspec.Struct, frozen=True):
             created_at=number("created_at") or 0,
             updated_at=number("updated_at") or number("created_at") or 0,
             head=text("head"),
+            usage_billed=(get("usage_billed") or "{}").encode(),
+            usage_active=(get("usage_active") or "{}").encode(),
+            message_count=number("msgs") or 0,
             parent=text("parent"),
         )
 

@@ -56,6 +56,16 @@ class _ErrorBody(msgspec.Struct, frozen=True):
 
 class _Refusal(msgspec.Struct, frozen=True):
     error: _ErrorBody
+    owner: str | None = None  # a refused late turn_end whose usage was counted:
+    feed: str | None = None  # the feed frame that tells its owner
+
+
+class Refused(Rejected):
+    """A refusal that still changed what the owner's feed shows (a late turn_end's usage)."""
+
+    def __init__(self, code: str, message: str, owner: str, feed: str) -> None:
+        super().__init__(code, message)
+        self.owner, self.feed = owner, feed
 
 
 def script_arg(event: OutEvent) -> str:
@@ -135,6 +145,8 @@ class PublishScript:
         except msgspec.ValidationError:
             refusal = self._refusal(reply)
             error = refusal.error
+            if refusal.feed is not None and refusal.owner is not None:
+                raise Refused(error.code, error.message, refusal.owner, refusal.feed) from None
             raise Rejected(error.code, error.message, error.head) from None
         taken = None
         if r.message is not None:

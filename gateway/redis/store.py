@@ -30,6 +30,7 @@ from .scripts import (
     HistoryScript,
     PublishScript,
     ReadScript,
+    Refused,
     RotateScript,
     TreeScript,
 )
@@ -129,6 +130,8 @@ class Store:
             return result
         except Rejected as exc:
             REDIS.publish_errors[exc.code] += 1
+            if isinstance(exc, Refused):  # the list's order stands: only the totals moved
+                await self.pipeline.execute("SPUBLISH", feed_channel(exc.owner), exc.feed)
             raise
         except (RedisError, OSError):
             REDIS.publish_errors["backend_unavailable"] += 1

@@ -284,6 +284,12 @@ class Turn:
                   reason: str = "complete") -> Published | None:
         """End this turn (``turn_end``, only if it is still the running one).
 
+        ``usage`` is what the turn cost: non-negative numbers by name, usually
+        ``input_tokens``, ``output_tokens``, ``cached_tokens`` and ``cost`` (in your
+        currency). The conversation sums them into its totals (protocol.md, "Usage"); a turn
+        that ended without its agent (cancelled by a tree operation, timed out) still has its
+        usage counted, once.
+
         A cancelled turn ends with ``reason: cancelled``. Returns None when the turn was
         already over (ended before a redelivery, timed out, conversation deleted).
         """

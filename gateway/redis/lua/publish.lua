@@ -25,7 +25,11 @@
 --   turn_start    the new turn's id; needs an idle conversation
 --   turn_end      the turn it ends, or "" for the running one; data {"reason":..} gets
 --                 turn_id, latency_ms and the goal_state snapshot spliced in; every stream
---                 still open is committed first, as a durable partial event
+--                 still open is committed first, as a durable partial event; its
+--                 data's usage is kept on the turn's node and added to the totals
+--                 (meta usage_billed; usage_active when the turn is on the active path).
+--                 Alone in a batch, a turn_end for a turn already over is refused, but
+--                 its usage is counted (once per turn) and the refusal carries the feed.
 --   cancel_requested  the turn it cancels, or "" for the running one; needs a running turn
 --   goal_state    (none) data is stored as the conversation's goal snapshot
 --   title         the title's source; data is the new title (raw text)
@@ -46,7 +50,8 @@
 -- and its turn under it; `retry` a new turn answering the head turn's message; `edit` a
 -- new user message beside the one it replaces, and its turn; `undo` moves the head to the
 -- parent of the path's last user message; `switch` to the leaf last active under a node.
--- The head moves to the new turn (or there), as one durable `head` event after the rest.
+-- The head moves to the new turn (or there), as one durable `head` event after the rest;
+-- meta msgs (the active path's node count) and usage_active follow it.
 -- With a turn running and ARGV[13] = "1", that turn ends first (reason cancelled, its open
 -- streams committed as partials on its branch).
 --
@@ -59,7 +64,8 @@
 -- turn a cancel: true ended), "message" (retry and undo: {msg_id, seq, frame} of the
 -- message answered again or taken back), "msg_id" (the user
 -- message this batch added), "feed" (the feed
--- frame to announce, when listed)} or {"error": {"code", "message", "head"}}. The feed lives in the owner's slot: the store
+-- frame to announce, when listed)} or {"error": {"code", "message", "head"}, and "owner"
+-- and "feed" when a refused late turn_end's usage was counted}. The feed lives in the owner's slot: the store
 -- publishes it after the script. Every durable event is stored as entry "<seq>-0".
 
 local meta, log = KEYS[1], KEYS[2]
@@ -83,8 +89,12 @@ end
 local children = KEYS[4 + k]
 local idem = KEYS[5 + k]
 
+local m_owner = nil
+local late_feed = nil  -- a refused late turn_end's usage was counted: the feed tells it
 local function refuse(code, message, head)
-  return cjson.encode({error = {code = code, message = message, head = head}})
+  local reply = {error = {code = code, message = message, head = head}}
+  if late_feed then reply.owner, reply.feed = m_owner, late_feed end
+  return cjson.encode(reply)
 end
 
 -- The batch's events: {type, durable, data, arg}; a cancel puts a turn_end in front.
@@ -164,6 +174,35 @@ local function delta_text(data)
   return ''
 end
 
+-- The usage a turn_end's data reports (a table, maybe empty). The gateway validated it.
+local function usage_of(data)
+  local ok, decoded = pcall(cjson.decode, data)
+  if ok and type(decoded) == 'table' and type(decoded.usage) == 'table' then
+    return decoded.usage
+  end
+  return {}
+end
+
+-- A turn_end that comes after its turn ended (cancelled by a tree operation, or timed out)
+-- is refused, but what the turn cost was paid for: count it, once per turn.
+local function count_late_usage(turn_id, data)
+  local node = turn_id ~= '' and node_get(tree, turn_id)
+  local usage = usage_of(data)
+  if not node or node.k ~= 'turn' or node.u or next(usage) == nil then return false end
+  node.u = usage
+  node_put(tree, turn_id, node)
+  m.usage_billed = cjson.encode(usage_add(usage_decode(m.usage_billed), usage))
+  local _, on_path = path_to(tree, m.head or '')
+  local fields = {'usage_billed', m.usage_billed}
+  if on_path[turn_id] then
+    m.usage_active = cjson.encode(usage_add(usage_decode(m.usage_active), usage))
+    fields[3], fields[4] = 'usage_active', m.usage_active
+  end
+  redis.call('HSET', meta, unpack(fields))
+  m_owner, late_feed = m.owner, announce(chat, m, now, false)
+  return true
+end
+
 -- The tree operation's preconditions, against the state before the batch.
 local head_before = m.head or ''
 local new_head, cause = nil, op
@@ -235,9 +274,13 @@ for i = 0, n - 1 do
     status, turn = 'running', arg
     started = arg
   elseif typ == 'turn_end' or typ == 'cancel_requested' then
-    if status ~= 'running' then return refuse('no_active_turn', 'no turn is running') end
+    local over = status ~= 'running' or (arg ~= '' and arg ~= turn)
+    local counted = over and typ == 'turn_end' and n == 1 and count_late_usage(arg, data)
+    local note = counted and '; its usage was counted' or ''
+    if status ~= 'running' then return refuse('no_active_turn', 'no turn is running' .. note) end
     if arg ~= '' and arg ~= turn then
-      return refuse('turn_mismatch', 'turn ' .. arg .. ' is not the running turn ' .. turn)
+      return refuse('turn_mismatch', 'turn ' .. arg .. ' is not the running turn ' .. turn ..
+                    note)
     end
     if typ == 'turn_end' then
       status, turn = 'idle', ''
@@ -344,6 +387,19 @@ for i = 0, n - 1 do
       end
       if m['full:' .. streamed] then close_stream(streamed) end
     end
+    local usage = usage_of(data)
+    if next(usage) ~= nil then
+      local node = node_get(tree, m.turn_id)
+      if node then
+        node.u = usage
+        node_put(tree, m.turn_id, node)
+      end
+      m.usage_billed = cjson.encode(usage_add(usage_decode(m.usage_billed), usage))
+      -- The running turn is the head (a tree operation ends it before moving the head).
+      if m.turn_id == (m.head or '') then
+        m.usage_active = cjson.encode(usage_add(usage_decode(m.usage_active), usage))
+      end
+    end
     local latency = now - tonumber(m.started_at)
     local goal = m.goal ~= '' and m.goal or 'null'
     data = '{"turn_id":' .. cjson.encode(m.turn_id) .. ',"latency_ms":' .. latency ..
@@ -414,6 +470,9 @@ end
 if new_head ~= nil and new_head ~= head_before then
   mark_active(tree, new_head)
   m.head = new_head
+  m.msgs = tostring(depth(tree, new_head))
+  -- A message grows the path by itself and a turn with no usage yet: the total stands.
+  if op ~= 'message' then m.usage_active = cjson.encode(path_usage(tree, new_head)) end
   if op == 'undo' or op == 'switch' then
     local _, last = last_user(tree, new_head)
     m.preview = last and last.v or ''
