@@ -222,6 +222,9 @@ class HistoryPage(msgspec.Struct, frozen=True, omit_defaults=True):
     events: list[EventFrame]
     # view=active: every node on the active path that has siblings.
     forks: dict[str, Fork] | UnsetType = UNSET
+    # view=active: true when history was trimmed past the path's start, which then begins
+    # at the first whole exchange left.
+    trimmed: bool | UnsetType = UNSET
 
 
 class TreeNodeView(msgspec.Struct, frozen=True):
@@ -231,6 +234,8 @@ class TreeNodeView(msgspec.Struct, frozen=True):
     seq: int
     preview: str | None
     children: list[str]
+    usage: dict[str, int | float] | None  # a turn's, as its turn_end reported it
+    trimmed: bool  # its events are gone: history was trimmed past it
 
 
 class ForkLeaf(msgspec.Struct, frozen=True):
@@ -486,6 +491,7 @@ async def history(request: Request) -> Response:
     await _owned(request, who, chat_id)
     store = _gateway(request).store
     forks: dict[str, Fork] | UnsetType = UNSET
+    trimmed: bool | UnsetType = UNSET
     if query.view == "all":
         page = await store.read(chat_id, query.after, query.limit)
         meta, frames = page.meta, [frame for _, frame in page.frames]
@@ -496,13 +502,14 @@ async def history(request: Request) -> Response:
         frames, scanned = (path.events, path.scanned) if path is not None else ([], 0)
         forks = {node: Fork(f.siblings, f.index)
                  for node, f in path.forks.items()} if path is not None else {}
+        trimmed = path.trimmed if path is not None else False
     if meta is None:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
     next_after = scanned if frames and scanned < meta.seq else None
     # The stored frames are EventFrame JSON already: spliced in as they are, not re-encoded.
     events = cast("list[EventFrame]", [msgspec.Raw(frame) for frame in frames])
     return JSONResponse(_encode(HistoryPage(chat_id, meta.epoch, meta.seq, next_after,
-                                            meta.head, events, forks)))
+                                            meta.head, events, forks, trimmed)))
 
 
 @API.operation(
@@ -519,7 +526,7 @@ async def tree(request: Request) -> Response:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
     forks = [ForkLeaf(node_id, leaf) for node_id, leaf in found.forks()]
     nodes = [TreeNodeView(n.id, "user" if n.kind == "user" else "turn", n.parent_id, n.seq,
-                          n.preview, n.children) for n in found.nodes]
+                          n.preview, n.children, n.usage, n.trimmed) for n in found.nodes]
     return JSONResponse(_encode(TreeView(chat_id, found.head, found.roots, forks, nodes)))
 
 

@@ -125,6 +125,33 @@ async def test_tree_operations_on_every_shard(pair: list[GatewayProcess],
             assert heads[1] is None and heads[2] == first["data"]["head_id"] != heads[0]
 
 
+async def test_usage_totals_on_every_shard(pair: list[GatewayProcess],
+                                           cluster: ValkeyCluster) -> None:
+    """Usage summed in the chat's slot, through a retry, and told through the owner's feed
+    (another slot) to a device on the other gateway."""
+    a, b = pair
+    user = "usage" + uuid.uuid4().hex[:6]
+    for group in chats_on_every_shard(cluster, per_shard=1).values():
+        chat = group[0]
+        async with connect(a.url(user)) as ws, connect(b.url(user)) as follower:
+            await ws.subscribe(chat)
+            await follower.send({"type": "ping", "id": 1})  # the feed is live after a reply
+            await follower.wait_for(lambda f: f.get("type") == "pong")
+            await message_and_reply(ws, chat, "hi")
+            await publish(b, chat, {"type": "turn_end", "data": {"usage": {"output_tokens": 5}}})
+            await ws.send({"type": "retry", "chat_id": chat})
+            assert (await ws.wait_for(lambda f: f.get("type") in ("ack", "error")))["type"] == "ack"
+            await publish(a, chat, {"type": "turn_end", "data": {"usage": {"output_tokens": 7}}})
+            feed = await follower.wait_for(
+                lambda f, chat=chat: f.get("type") == "conversation" and f["chat_id"] == chat
+                and f["usage"]["billed"].get("output_tokens") == 12)
+            assert feed["usage"]["active"] == {"output_tokens": 7}
+            async with httpx.AsyncClient(base_url=b.http) as http:
+                resp = await http.get(f"/v1/conversations/{chat}", headers=b.headers(user))
+            assert resp.json()["usage"] == {"billed": {"output_tokens": 12},
+                                            "active": {"output_tokens": 7}}
+
+
 async def test_chats_on_every_shard_reach_both_gateways(
         pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
     """Each room's traffic stays on its own shard: its channel is subscribed on the primary

@@ -8,6 +8,8 @@ traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``:
                          parent (a sub-conversation: its parent's chat id), ...
     c:{chat}:stream      the event log (a Redis Stream): entry "<seq>-0", field "f" = frame
     c:{chat}:tree        hash: the conversation tree, node id -> node (lua/tree.lua)
+    c:{chat}:starts      sorted set: the seq of every user message still in the log, the
+                         turn boundaries where a trim may cut (lua/publish.lua)
     c:{chat}:text:<type> the text of the conversation's open stream of a streamed type
                          (its header is meta field st:<type>; lua/lib.lua reads it)
     c:{chat}:idem:<key>  first result of an idempotent publish or message (TTL)
@@ -32,6 +34,10 @@ def log_key(chat_id: str) -> str:
 
 def tree_key(chat_id: str) -> str:
     return f"c:{{{chat_id}}}:tree"
+
+
+def starts_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:starts"
 
 
 def text_key(chat_id: str, stream_type: str) -> str:

@@ -149,6 +149,7 @@ class PathPage(msgspec.Struct, frozen=True):
     events: list[bytes]  # the frames, as stored
     scanned: int  # the last seq looked at: the next page starts after it
     forks: dict[str, Fork]
+    trimmed: bool = False  # history was trimmed past the path's start: it begins later
 
 
 class TreeNode(msgspec.Struct, frozen=True):
@@ -161,6 +162,8 @@ class TreeNode(msgspec.Struct, frozen=True):
     preview: str | None  # a user message's preview
     children: list[str]
     last_child: str | None  # the child last on the active path
+    usage: dict[str, int | float] | None = None  # a turn's, as its turn_end reported it
+    trimmed: bool = False  # its events are gone from the log (history trimmed past them)
 
 
 class Tree(msgspec.Struct, frozen=True):

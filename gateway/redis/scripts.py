@@ -15,7 +15,16 @@ import msgspec
 
 from ..config import Settings
 from ..errors import Rejected
-from .keys import children_key, idem_key, log_key, meta_key, room_channel, text_key, tree_key
+from .keys import (
+    children_key,
+    idem_key,
+    log_key,
+    meta_key,
+    room_channel,
+    starts_key,
+    text_key,
+    tree_key,
+)
 from .pipeline import Script
 from .records import (
     Fork,
@@ -42,9 +51,9 @@ Call = tuple[Script, list[str], list[Any]]  # a script, its keys and its argumen
 
 
 def _conversation_keys(chat_id: str, settings: Settings) -> list[str]:
-    """The keys every conversation script gets: meta, log, tree, the text keys, and the
-    sub-conversations last."""
-    return [meta_key(chat_id), log_key(chat_id), tree_key(chat_id),
+    """The keys every conversation script gets: meta, log, tree, starts, the text keys, and
+    the sub-conversations last."""
+    return [meta_key(chat_id), log_key(chat_id), tree_key(chat_id), starts_key(chat_id),
             *(text_key(chat_id, kind) for kind in settings.stream_types), children_key(chat_id)]
 
 
@@ -249,6 +258,7 @@ class _PathReply(msgspec.Struct, frozen=True):
     scanned: str = "0"  # a string: cjson would round a large number
     forks: dict[str, Fork] = {}
     events: list[msgspec.Raw] = []
+    trimmed: bool = False
 
 
 class HistoryScript:
@@ -267,7 +277,8 @@ class HistoryScript:
         meta = Meta.from_fields(r.meta) if r.meta is not None else None
         if meta is None:
             return None
-        return PathPage(meta, [bytes(e) for e in r.events], int(r.scanned), r.forks)
+        return PathPage(meta, [bytes(e) for e in r.events], int(r.scanned), r.forks,
+                        r.trimmed)
 
 
 class _NodeRecord(msgspec.Struct, frozen=True):
@@ -277,11 +288,13 @@ class _NodeRecord(msgspec.Struct, frozen=True):
     c: str = ""
     l: str = ""  # noqa: E741 (tree.lua's field name)
     v: str = ""
+    u: dict[str, int | float] | None = None
 
 
 class _TreeReply(msgspec.Struct, frozen=True):
     head: str | None = None
     nodes: dict[str, str] = {}
+    first: str | None = None  # a string: cjson would round a large number
 
 
 class TreeScript:
@@ -295,7 +308,7 @@ class TreeScript:
         self._record = msgspec.json.Decoder(_NodeRecord).decode
 
     def call(self, chat_id: str) -> Call:
-        return self.script, [meta_key(chat_id), tree_key(chat_id)], []
+        return self.script, [meta_key(chat_id), tree_key(chat_id), log_key(chat_id)], []
 
     def decode(self, reply: bytes) -> Tree | None:
         r = self._decode(reply)
@@ -303,10 +316,12 @@ class TreeScript:
             return None
         records = {node_id: self._record(raw) for node_id, raw in r.nodes.items()}
         root = records.pop(self.ROOT, _NodeRecord())
+        first = int(r.first) if r.first is not None else 0
         nodes = sorted((TreeNode(
             id=node_id, kind=rec.k, parent_id=rec.p or None, seq=rec.s,
             preview=rec.v or None, children=[c for c in rec.c.split(",") if c],
-            last_child=rec.l or None) for node_id, rec in records.items()),
+            last_child=rec.l or None, usage=rec.u, trimmed=rec.s < first)
+            for node_id, rec in records.items()),
             key=lambda n: n.seq)
         return Tree(head=r.head or None, nodes=nodes,
                     roots=[c for c in root.c.split(",") if c], last_root=root.l or None)

@@ -1,8 +1,8 @@
 -- Delete one conversation: tell its room and its owner's feed, then drop its keys.
 -- gateway/redis/scripts.py (DeleteScript) builds the arguments and decodes the reply.
 --
--- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4..] the text keys, the
--- last one the sub-conversations (a sorted set)
+-- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4] the turn starts,
+-- KEYS[5..] the text keys, and last the sub-conversations (a sorted set)
 -- ARGV[1] room channel, ARGV[2] chat id
 -- Replies {"owner", "feed": the feed frame that announces the deletion, "parent" (a
 -- sub-conversation's), "children": the sub-conversations it had}, or {} when the

@@ -2,11 +2,13 @@
 -- gateway/redis/scripts.py (PublishScript) builds these arguments and decodes the reply.
 --
 -- KEYS[1] meta hash, KEYS[2] event log (a Redis Stream), KEYS[3] the tree (tree.lua)
--- KEYS[4 .. 3+k] the text key of each streamed type, in ARGV[9]'s order
--- KEYS[4+k] the sub-conversations (a sorted set: chat id -> created ms)
--- KEYS[5+k] idempotency key (optional)
+-- KEYS[4] the turn starts: the seq of every user message still in the log
+-- KEYS[5 .. 4+k] the text key of each streamed type, in ARGV[9]'s order
+-- KEYS[5+k] the sub-conversations (a sorted set: chat id -> created ms)
+-- KEYS[6+k] idempotency key (optional)
 -- ARGV[1] room channel (a sharded channel in the conversation's slot)
--- ARGV[2] log max length      ARGV[3] idempotency ttl (s)
+-- ARGV[2] log max length (trimmed at turn boundaries)
+-- ARGV[3] idempotency ttl (s)
 -- ARGV[4] owner to create the conversation for when it does not exist ("" = must exist)
 -- ARGV[5] a fresh unique name: the epoch of a newly created conversation, and the prefix of
 --         the id of a stream this batch opens
@@ -33,7 +35,7 @@
 --   cancel_requested  the turn it cancels, or "" for the running one; needs a running turn
 --   goal_state    (none) data is stored as the conversation's goal snapshot
 --   title         the title's source; data is the new title (raw text)
---   child         the sub-conversation's chat id, added to KEYS[4+k]; data {chat_id, title}
+--   child         the sub-conversation's chat id, added to KEYS[5+k]; data {chat_id, title}
 --   a streamed type (ephemeral, while a turn runs)  the run's attempt: the delta joins its
 --                 type's open stream ("stream":{"id","pos"}), or opens one; an open stream
 --                 of another attempt is discarded first
@@ -76,18 +78,18 @@ local max_text = tonumber(ARGV[10])
 local base = 17  -- ARGV index of the first event
 local op, expected, cancel, target, by, msg_id =
   ARGV[11], ARGV[12], ARGV[13] == '1', ARGV[14], ARGV[15], ARGV[16]
-local tree = KEYS[3]
+local tree, starts = KEYS[3], KEYS[4]
 
 local text_key, commit_type, streamed_type = {}, {}, {}
 local k = 0
 for typ in string.gmatch(ARGV[9], '[^,]+') do
   k = k + 1
-  text_key[typ] = KEYS[3 + k]
+  text_key[typ] = KEYS[4 + k]
   local commit = typ == 'delta' and 'message' or string.sub(typ, 1, -7)
   commit_type[typ], streamed_type[commit] = commit, typ
 end
-local children = KEYS[4 + k]
-local idem = KEYS[5 + k]
+local children = KEYS[5 + k]
+local idem = KEYS[6 + k]
 
 local m_owner = nil
 local late_feed = nil  -- a refused late turn_end's usage was counted: the feed tells it
@@ -331,7 +333,7 @@ local function emit(typ, durable, data, stream_part, node)
     node = node or ''
     if node ~= '' then head = head .. ',"node":' .. cjson.encode(node) end
     local frame = head .. ',"seq":' .. seq .. ',"ts":' .. now .. ',"data":' .. data .. '}'
-    redis.call('XADD', log, 'MAXLEN', '~', maxlen, seq .. '-0', 'f', frame, 'n', node)
+    redis.call('XADD', log, seq .. '-0', 'f', frame, 'n', node)
     redis.call('SPUBLISH', channel, envelope(m.epoch, seq, nil, nil, frame))
     return seq
   end
@@ -456,6 +458,7 @@ for i = 0, n - 1 do
   if i >= (cancelled and 1 or 0) then seqs[#seqs + 1] = at end  -- not the cancel's turn_end
   if typ == 'user_message' then
     node_add(tree, msg_id, 'user', parent_of_message, at, arg)
+    redis.call('ZADD', starts, at, at)
   elseif typ == 'turn_start' then
     node_add(tree, arg, 'turn', answered and op == 'retry' and answered.msg_id or message_node or '', at, '')
   end
@@ -482,6 +485,29 @@ if new_head ~= nil and new_head ~= head_before then
        cjson.encode(by) .. '}', nil, '')
   listed, changed = true, true
 end
+
+-- History is trimmed at turn boundaries only: what is kept starts with a user message.
+-- The cut is the first user message an exact trim to ARGV[2] events would keep; inside a
+-- turn longer than that, the turn's own start (what is kept then passes the bound by at
+-- most that turn's events). A log with no user message is cut exactly.
+local function trim()
+  if redis.call('XLEN', log) <= maxlen then return end
+  local exact = seq - maxlen + 1
+  if redis.call('EXISTS', starts) == 0 and (m.head or '') ~= '' then
+    -- a tree from before the turn starts were kept: index its user messages once
+    local flat = redis.call('HGETALL', tree)
+    for i = 1, #flat, 2 do
+      local node = cjson.decode(flat[i + 1])
+      if node.k == 'user' and node.s then redis.call('ZADD', starts, node.s, node.s) end
+    end
+  end
+  local cut = redis.call('ZRANGEBYSCORE', starts, exact, '+inf', 'LIMIT', 0, 1)[1]
+    or redis.call('ZREVRANGEBYSCORE', starts, '(' .. exact, '-inf', 'LIMIT', 0, 1)[1]
+    or exact
+  redis.call('XTRIM', log, 'MINID', cut .. '-0')
+  redis.call('ZREMRANGEBYSCORE', starts, '-inf', '(' .. cut)
+end
+if seq ~= tonumber(m.seq) then trim() end
 
 -- Ephemeral-only batches (plain deltas: the hot path) leave the state untouched.
 if seq ~= tonumber(m.seq) or changed then

@@ -3,8 +3,9 @@
 -- chat creates it). gateway/redis/scripts.py (ReadScript) builds the arguments and decodes
 -- the reply.
 --
--- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4 .. 3+k] the text key of
--- each streamed type, in ARGV[6]'s order, KEYS[4+k] the sub-conversations (unused here)
+-- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4] the turn starts,
+-- KEYS[5 .. 4+k] the text key of each streamed type, in ARGV[6]'s order, KEYS[5+k] the
+-- sub-conversations (unused here)
 -- ARGV[1] seq to read after ("" = the state only), ARGV[2] most frames to return
 -- ARGV[3] owner to create the conversation for when it does not exist ("" = do not)
 -- ARGV[4] epoch for a new conversation, ARGV[5] chat id, ARGV[6] streamed types,
@@ -31,7 +32,7 @@ for typ in string.gmatch(ARGV[6], '[^,]+') do
   local s = open_stream(m, typ)
   if s then
     streams[#streams + 1] = {type = typ, id = s.id, turn_id = s.turn, pos = s.pos,
-                             text = redis.call('GET', KEYS[3 + k]) or ''}
+                             text = redis.call('GET', KEYS[4 + k]) or ''}
   end
 end
 if #streams > 0 then reply.streams = streams end
