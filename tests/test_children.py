@@ -3,6 +3,7 @@ its list of children, who may open one, and a delete that takes the children wit
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -217,3 +218,47 @@ async def test_a_child_deleted_on_its_own_leaves_its_parents_list(
                                   headers=gateway.headers(user))).status_code == 204
     assert [c["chat_id"] for c in await children(gateway, user, chat_id)] == [kept]
     assert (await get(gateway, user, chat_id)).status_code == 200
+
+
+async def test_a_delete_racing_an_open_leaves_no_orphan(
+        gateway: Any, store: Store, user: str) -> None:
+    """Whichever of the two writes of an open the delete falls between, the child goes with
+    its parent: the open either succeeded (and the delete took the child) or was refused."""
+    outcomes: dict[str, int] = {}
+
+    async def delete_once(parent: str, child: str, wait: int) -> str | None:
+        """Delete ``parent`` at once (0), as soon as ``child`` exists (1) or has its title
+        (2): between the open's writes, or about to be."""
+        async with asyncio.timeout(5):
+            while wait and ((meta := await store.meta(child)) is None
+                            or (wait == 2 and meta.title is None)):
+                pass
+        return await store.delete(parent)
+
+    for i in range(60):
+        parent, child = new_id(), new_id()
+        await create(gateway, user, parent)
+        opened, deleted = await asyncio.gather(
+            store.open_child(parent, child, "Race", writer=user),
+            delete_once(parent, child, wait=i % 3), return_exceptions=True)
+        assert deleted == user, deleted
+        outcome = "opened" if opened is None else getattr(opened, "code", repr(opened))
+        assert outcome in ("opened", "not_found"), opened
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        assert await store.meta(child) is None and await store.meta(parent) is None
+        assert await store.children(parent) == []
+    print("open vs delete:", outcomes)
+
+
+async def test_a_turn_completes_a_child_its_crashed_run_half_opened(
+        gateway: Any, store: Store, user: str, chat_id: str) -> None:
+    await create(gateway, user, chat_id)
+    fields = {"chat_id": chat_id, "turn_id": "t_" + uuid.uuid4().hex[:16]}
+    child = f"{fields['turn_id']}.c0"  # the id Turn.open_child gives its first child
+    # The first run wrote the child, then crashed before its parent heard of it.
+    await store.pipeline.evalsha(*store._child.call(child, user, chat_id, "e1"))
+    assert await store.children(chat_id) == []
+    assert await Turn(store, fields).open_child("Again") == child
+    assert [c for c, _ in await store.children(chat_id)] == [child]
+    assert [e["data"] for e in await history(gateway, user, chat_id)] == [
+        {"chat_id": child, "title": "Again"}]
