@@ -225,13 +225,14 @@ class Conversations:
         clean = clean_title(title) if title is not None else None
         await self.store.open_child(parent, chat_id, clean, writer=who.writer())
 
-    async def children(self, chat_id: str) -> list[p.ChildSummary]:
+    async def children(self, chat_id: str,
+                       ids: list[str] | None = None) -> list[p.ChildSummary]:
         """``chat_id``'s sub-conversations, oldest first, as its snapshot and
-        ``GET .../children`` list them."""
+        ``GET .../children`` list them; ``ids``: their ids, when read already."""
         return [p.ChildSummary(child, meta.title,
                                "running" if meta.status == "running" else "idle",
                                p.UsageTotals.of(meta.usage_billed, meta.usage_active))
-                for child, meta in await self.store.children(chat_id)]
+                for child, meta in await self.store.children(chat_id, ids)]
 
     async def rename(self, who: Principal, chat_id: str, title: str) -> Published:
         return await self.store.publish(

@@ -428,10 +428,11 @@ class Session:
         chat_id = req.chat_id
         create = self.principal.user_id if self.settings.auto_create else ""
         try:
-            caught, children = await asyncio.gather(  # in one batch; children only if allowed
-                catch_up(self.hub, chat_id, self.principal, since, self.settings.replay_limit,
-                         self.hub.mark() if joined is None else joined, create),
-                self.gateway.conversations.children(chat_id))
+            caught = await catch_up(self.hub, chat_id, self.principal, since,
+                                    self.settings.replay_limit,
+                                    self.hub.mark() if joined is None else joined, create)
+            children = await self.gateway.conversations.children(
+                chat_id, caught.children) if caught.children else []
         except Rejected as exc:
             self._drop(chat_id)
             self._error(exc.code, exc.message, req)

@@ -202,3 +202,4 @@ class History(msgspec.Struct, frozen=True):
     streams: list[OpenStream] = []
     created: bool = False
     feed: str | None = None  # when created: the feed frame that announces it
+    children: list[str] = []  # the ids of its sub-conversations, oldest first

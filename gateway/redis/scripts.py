@@ -170,6 +170,7 @@ class _ReadReply(msgspec.Struct, frozen=True):
     created: bool = False
     feed: str | None = None
     streams: list[OpenStream] = []
+    children: list[str] = []
     frames: list[tuple[int, msgspec.Raw]] = []
 
 
@@ -192,7 +193,7 @@ class ReadScript:
         return History(
             meta=Meta.from_fields(r.meta) if r.meta is not None else None,
             frames=[(seq, bytes(frame)) for seq, frame in r.frames],
-            streams=r.streams, created=r.created, feed=r.feed)
+            streams=r.streams, created=r.created, feed=r.feed, children=r.children)
 
 
 class Deleted(msgspec.Struct, frozen=True):

@@ -219,10 +219,12 @@ class Store:
         ids: list[bytes] = await self.pipeline.execute("ZRANGE", children_key(chat_id), 0, -1)
         return [child.decode() for child in ids]
 
-    async def children(self, chat_id: str) -> list[tuple[str, Meta]]:
+    async def children(self, chat_id: str,
+                       ids: list[str] | None = None) -> list[tuple[str, Meta]]:
         """``chat_id``'s sub-conversations, oldest first (one already deleted is left out:
-        its parent may list it until then)."""
-        ids = await self._child_ids(chat_id)
+        its parent may list it until then); ``ids``: their ids, when read already."""
+        if ids is None:
+            ids = await self._child_ids(chat_id)
         metas = await asyncio.gather(*(self.meta(child) for child in ids))
         return [(child, meta) for child, meta in zip(ids, metas, strict=True) if meta is not None]
 
