@@ -218,6 +218,12 @@ async def test_a_child_deleted_on_its_own_leaves_its_parents_list(
                                   headers=gateway.headers(user))).status_code == 204
     assert [c["chat_id"] for c in await children(gateway, user, chat_id)] == [kept]
     assert (await get(gateway, user, chat_id)).status_code == 200
+    # Opened again under the same id: a new child, told and listed again, with its title.
+    assert (await open_child(gateway, user, chat_id, dropped, "Again")).status_code == 201
+    assert [(c["chat_id"], c["title"]) for c in await children(gateway, user, chat_id)] == [
+        (kept, None), (dropped, "Again")]
+    assert [e["data"]["chat_id"] for e in await history(gateway, user, chat_id)] == [
+        kept, dropped, dropped]
 
 
 async def test_a_delete_racing_an_open_leaves_no_orphan(

@@ -222,6 +222,7 @@ class DeleteScript:
 
 class ChildCreated(msgspec.Struct, frozen=True):
     created: bool
+    epoch: str  # the conversation's, new or existing
     ts: int = 0
     feed: str | None = None  # created: the feed frame that announces it
     parent: str = ""  # not created: the existing conversation's parent ("" for none)

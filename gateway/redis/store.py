@@ -253,14 +253,16 @@ class Store:
             await self._tell_owner(found.owner, made.feed, "ZADD", made.ts, chat_id)
         elif not (existing_ok and made.parent == parent):
             raise Rejected("conflict", f"conversation {chat_id!r} already exists")
+        # Keyed by the child's epoch: once per child, and again for a child recreated later
+        # under the same id (idempotency keys outlive a deletion).
         try:
             if title is not None:
                 await self.publish(chat_id, [OutEvent(type="title", data=title.encode(),
                                                       title_source=title_source)],
-                                   idempotency_key="child:title")
+                                   idempotency_key=f"child:{made.epoch}")
             await self.publish(parent, [OutEvent(
                 type="child", data=msgspec.json.encode({"chat_id": chat_id, "title": title}),
-                child=chat_id)], writer=writer, idempotency_key=f"child:{chat_id}")
+                child=chat_id)], writer=writer, idempotency_key=f"child:{chat_id}:{made.epoch}")
         except Rejected as exc:
             if exc.code in ("not_found", "forbidden"):  # the parent went meanwhile
                 await self.delete(chat_id)
