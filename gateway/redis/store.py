@@ -237,8 +237,8 @@ class Store:
 
         The child is written first, then the parent (two slots): a crash in between leaves
         a child its parent does not list, never a parent listing a child that does not
-        exist. A parent deleted meanwhile (``not_found``) or gone to another owner
-        (``forbidden``): the new child is deleted and the refusal raised. With
+        exist. A parent deleted meanwhile (``not_found``; ``forbidden`` if another user
+        recreated it): the new child is deleted and the refusal raised. With
         ``existing_ok``, a ``chat_id`` that is ``parent``'s child already is no conflict:
         what is left is done, once (a redelivered turn opening its child again).
         """

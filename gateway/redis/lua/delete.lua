@@ -22,6 +22,7 @@ redis.call('SPUBLISH', ARGV[1], envelope(nil, nil, nil, nil,
   '{"type":"deleted","chat_id":' .. chat .. ',"seq":null,"ts":' .. now ..
   ',"data":{"epoch":' .. cjson.encode(epoch) .. ',"last_seq":' .. seq .. '}}'))
 return cjson.encode({owner = owner, parent = parent,
-  children = #children > 0 and children or nil, feed = '{"type":"conversation","chat_id":' .. chat ..
+  children = #children > 0 and children or nil,
+  feed = '{"type":"conversation","chat_id":' .. chat ..
   ',"title":null,"status":"idle","updated_at":' .. now .. ',"last_seq":' .. seq ..
   ',"goal_state":null,"preview":null,"created":false,"deleted":true}'})
