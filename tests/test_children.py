@@ -18,7 +18,7 @@ from gateway.redis.backend import Backend
 from gateway.redis.store import Store
 from gateway.sdk.agent import Turn
 
-from .steps import children, create, history, open_child, publish
+from .steps import children, create, history, open_child, publish, start_turn
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio
@@ -150,15 +150,17 @@ async def test_who_may_open_a_child(gateway: Any, user: str, chat_id: str) -> No
 async def test_a_turn_opens_a_child_once_even_when_redelivered(
         gateway: Any, store: Store, user: str, chat_id: str) -> None:
     await create(gateway, user, chat_id)
-    fields = {"chat_id": chat_id, "turn_id": "t_" + uuid.uuid4().hex[:16]}
     async with connect(gateway.url(user)) as ws:
         await ws.subscribe(chat_id)
+        fields = {"chat_id": chat_id, "turn_id": await start_turn(ws, chat_id)}
+        await ws.wait_for(lambda f: f.get("type") == "head")
         turn = Turn(store, fields)
         child, second = await turn.open_child("Research"), await turn.open_child()
         assert child != second
         first_event, second_event = await ws.events(chat_id, 2)
-        assert first_event["type"] == "child" and first_event["data"] == {
-            "chat_id": child, "title": "Research"}
+        # Conversation-level while the turn runs: no node, on every branch's path.
+        assert first_event["type"] == "child" and "node" not in first_event
+        assert first_event["data"] == {"chat_id": child, "title": "Research"}
         assert second_event["data"] == {"chat_id": second, "title": None}
         # The same turn run again (its worker crashed): the same children, not new ones.
         again = Turn(store, fields)
@@ -167,7 +169,8 @@ async def test_a_turn_opens_a_child_once_even_when_redelivered(
     assert meta is not None and meta.owner == user and meta.parent == chat_id
     assert [(e["type"], e["data"]["source"]) for e in await history(gateway, user, child)] == [
         ("title", "agent")]
-    assert [e["type"] for e in await history(gateway, user, chat_id)] == ["child", "child"]
+    assert [e["type"] for e in await history(gateway, user, chat_id, view="active")] == [
+        "user_message", "turn_start", "head", "child", "child"]
     assert [c["chat_id"] for c in await children(gateway, user, chat_id)] == [child, second]
     with pytest.raises(Rejected) as refused:
         await Turn(store, {"chat_id": new_id(), "turn_id": "t_x"}).open_child()
