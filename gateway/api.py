@@ -68,6 +68,7 @@ def error_response(status: int, code: str, message: str,
 class NewConversation(msgspec.Struct, frozen=True):
     chat_id: p.ChatId | None = None
     title: p.Title | None = None
+    parent_chat_id: p.ChatId | None = None  # a sub-conversation of this one
 
 
 class Rename(msgspec.Struct, frozen=True):
@@ -167,6 +168,7 @@ class Conversation(msgspec.Struct, frozen=True):
     head: str | None  # the node the next message follows (protocol.md, the tree)
     usage: p.UsageTotals
     message_count: int  # user messages and turns on the active path
+    parent: str | None = None  # a sub-conversation: its parent's chat_id
 
     @classmethod
     def of(cls, chat_id: str, meta: Meta) -> Conversation:
@@ -175,7 +177,12 @@ class Conversation(msgspec.Struct, frozen=True):
                    "running" if meta.status == "running" else "idle", meta.turn_id,
                    meta.epoch, meta.seq, meta.created_at, meta.updated_at, goal, meta.preview,
                    meta.head, p.UsageTotals.of(meta.usage_billed, meta.usage_active),
-                   meta.message_count)
+                   meta.message_count, parent=meta.parent)
+
+
+class Children(msgspec.Struct, frozen=True):
+    chat_id: p.ChatId
+    children: list[p.ChildSummary]  # oldest first
 
 
 class ConversationPage(msgspec.Struct, frozen=True):
@@ -389,14 +396,20 @@ async def publish(request: Request) -> Response:
 
 @API.operation(
     "POST", "/v1/conversations", summary="Create a conversation", status=201,
-    description="Owned by the caller; a `chat_id` is made up when none is given.",
-    body=NewConversation, reply=Conversation, errors=(400, 409, 413, 422, 503),
+    description="Owned by the caller; a `chat_id` is made up when none is given. With "
+    "`parent_chat_id`, a sub-conversation of that one (its owner or a service), owned by "
+    "the parent's owner; the parent gets a `child` event.",
+    body=NewConversation, reply=Conversation, errors=(400, 403, 404, 409, 413, 422, 503),
 )
 async def create_conversation(request: Request) -> Response:
     who = _principal(request)
     spec = await _body(request, NewConversation)
     chat_id = spec.chat_id or "c_" + secrets.token_hex(8)
-    await _gateway(request).conversations.create(who, chat_id, spec.title)
+    conversations = _gateway(request).conversations
+    if spec.parent_chat_id is not None:
+        await conversations.create_child(who, spec.parent_chat_id, chat_id, spec.title)
+    else:
+        await conversations.create(who, chat_id, spec.title)
     meta = await _owned(request, who, chat_id)
     return JSONResponse(_encode(Conversation.of(chat_id, meta)), status_code=201)
 
@@ -423,6 +436,19 @@ async def get_conversation(request: Request) -> Response:
     chat_id = _chat_id(request)
     meta = await _owned(request, _principal(request), chat_id)
     return JSONResponse(_encode(Conversation.of(chat_id, meta)))
+
+
+@API.operation(
+    "GET", "/v1/conversations/{chat_id}/children",
+    summary="A conversation's sub-conversations (owner or service)",
+    description="Oldest first, each with its title and status.",
+    reply=Children, errors=(400, 403, 404, 503),
+)
+async def children(request: Request) -> Response:
+    chat_id = _chat_id(request)
+    await _owned(request, _principal(request), chat_id)
+    found = await _gateway(request).conversations.children(chat_id)
+    return JSONResponse(_encode(Children(chat_id, found)))
 
 
 @API.operation(

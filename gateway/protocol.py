@@ -41,8 +41,8 @@ ExpectedHead = NodeId | None | msgspec.UnsetType
 # Event types whose meaning the gateway owns: agents cannot publish them as-is.
 GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
-     "stream_discarded", "head", "hello", "subscribed", "unsubscribed", "left", "ack", "pong",
-     "error"}
+     "stream_discarded", "head", "child", "hello", "subscribed", "unsubscribed", "left",
+     "ack", "pong", "error"}
 )
 
 
@@ -182,6 +182,15 @@ class UsageTotals(msgspec.Struct, frozen=True):
                    decode(active, type=dict[str, int | float]))
 
 
+class ChildSummary(msgspec.Struct, frozen=True):
+    """A sub-conversation as its parent lists it."""
+
+    chat_id: str
+    title: str | None
+    status: Literal["idle", "running"]
+    usage: UsageTotals
+
+
 class Snapshot(msgspec.Struct, omit_defaults=True):
     title: str | None
     status: Literal["idle", "running"]
@@ -194,6 +203,7 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     head: str | msgspec.UnsetType | None = msgspec.UNSET  # the node the next message follows
     usage: UsageTotals | None = None
     message_count: int | None = None  # user messages and turns on the active path
+    children: list[ChildSummary] | msgspec.UnsetType = msgspec.UNSET  # omitted: none
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):

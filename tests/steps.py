@@ -31,6 +31,29 @@ async def create(gw: Any, user: str, chat_id: str, title: str | None = None) -> 
     return created
 
 
+async def open_child(gw: Any, user: str, parent: str, chat_id: str | None = None,
+                     title: str | None = None, role: str = "user") -> httpx.Response:
+    """Ask to open a sub-conversation of ``parent`` as ``user`` (with ``role``); returns the
+    response whatever its status."""
+    body: dict[str, Any] = {"parent_chat_id": parent}
+    if chat_id is not None:
+        body["chat_id"] = chat_id
+    if title is not None:
+        body["title"] = title
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        return await http.post("/v1/conversations", json=body, headers=gw.headers(user, role))
+
+
+async def children(gw: Any, user: str, chat_id: str) -> list[Frame]:
+    """``chat_id``'s sub-conversations as ``GET .../children`` lists them."""
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        resp = await http.get(f"/v1/conversations/{chat_id}/children", headers=gw.headers(user))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["chat_id"] == chat_id
+    found: list[Frame] = resp.json()["children"]
+    return found
+
+
 # --- history ----------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from gateway.redis.keys import room_channel
 from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port
 from .faults import until
-from .steps import message_and_reply, publish, send_message
+from .steps import children, create, message_and_reply, open_child, publish, send_message
 from .wsclient import Frame, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
@@ -174,6 +174,35 @@ async def test_chats_on_every_shard_reach_both_gateways(
                     counts = client.pubsub_shardnumsub(*(room_channel(c) for c in group))
                 subscribed = [int(n) for _, n in counts]
                 assert subscribed == [2 if node.port == port else 0] * len(group), node.port
+
+
+async def test_children_on_other_shards_than_their_parent(
+        pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
+    """A parent, its child and grandchild each on a shard of its own: opened through one
+    gateway, listed and deleted through the other, every subscriber of each told."""
+    a, b = pair
+    user = "kin" + uuid.uuid4().hex[:6]
+    parent, child, grandchild = (group[0] for group in
+                                 chats_on_every_shard(cluster, per_shard=1).values())
+    await create(a, user, parent)
+    async with connect(b.url(user)) as on_b, connect(a.url(user)) as on_a:
+        await on_b.subscribe(parent)
+        assert (await open_child(a, user, parent, child, title="Sub")).status_code == 201
+        (event,) = await on_b.events(parent, 1)
+        assert event["type"] == "child" and event["data"] == {"chat_id": child, "title": "Sub"}
+        resp = await open_child(a, "agent", child, grandchild, role="service")
+        assert resp.status_code == 201 and resp.json()["owner"] == user
+        assert [c["chat_id"] for c in await children(b, user, parent)] == [child]
+        assert [c["chat_id"] for c in (await on_a.subscribe(parent))["snapshot"]["children"]
+                ] == [child]
+        for ws, chat in ((on_a, child), (on_b, grandchild)):
+            await ws.subscribe(chat)
+        async with httpx.AsyncClient(base_url=b.http, headers=b.headers(user)) as http:
+            assert (await http.delete(f"/v1/conversations/{parent}")).status_code == 204
+            gone = [(await ws.expect("deleted"))["chat_id"] for ws in (on_a, on_a, on_b, on_b)]
+            assert sorted(gone) == sorted([parent, child, parent, grandchild])
+            for chat in (parent, child, grandchild):
+                assert (await http.get(f"/v1/conversations/{chat}")).status_code == 404
 
 
 class Load:

@@ -27,6 +27,7 @@ class OutEvent(msgspec.Struct, frozen=True, kw_only=True):
     title_source: str = ""  # title: who set it ("user", "agent")
     attempt: str = ""  # a streamed delta or its commit: which run of the turn sent it
     fill: bool = False  # a commit without text: it takes the stream's text
+    child: str = ""  # child: the sub-conversation's chat id
 
 
 class TreeOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,6 +88,7 @@ class Meta(msgspec.Struct, frozen=True):
     usage_billed: bytes = b"{}"  # JSON: every turn's usage, on every branch
     usage_active: bytes = b"{}"  # JSON: the usage of the turns on the active path
     message_count: int = 0  # nodes on the active path: user messages and turns
+    parent: str | None = None  # a sub-conversation: its parent's chat id
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -119,6 +121,7 @@ class Meta(msgspec.Struct, frozen=True):
             usage_billed=(get("usage_billed") or "{}").encode(),
             usage_active=(get("usage_active") or "{}").encode(),
             message_count=number("msgs") or 0,
+            parent=text("parent"),
         )
 
 
@@ -199,3 +202,4 @@ class History(msgspec.Struct, frozen=True):
     streams: list[OpenStream] = []
     created: bool = False
     feed: str | None = None  # when created: the feed frame that announces it
+    children: list[str] = []  # the ids of its sub-conversations, oldest first

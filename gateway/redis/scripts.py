@@ -15,7 +15,16 @@ import msgspec
 
 from ..config import Settings
 from ..errors import Rejected
-from .keys import idem_key, log_key, meta_key, room_channel, starts_key, text_key, tree_key
+from .keys import (
+    children_key,
+    idem_key,
+    log_key,
+    meta_key,
+    room_channel,
+    starts_key,
+    text_key,
+    tree_key,
+)
 from .pipeline import Script
 from .records import (
     Fork,
@@ -42,9 +51,10 @@ Call = tuple[Script, list[str], list[Any]]  # a script, its keys and its argumen
 
 
 def _conversation_keys(chat_id: str, settings: Settings) -> list[str]:
-    """The keys every conversation script gets: meta, log, tree, starts, the text keys."""
+    """The keys every conversation script gets: meta, log, tree, starts, the text keys, and
+    the sub-conversations last."""
     return [meta_key(chat_id), log_key(chat_id), tree_key(chat_id), starts_key(chat_id),
-            *(text_key(chat_id, kind) for kind in settings.stream_types)]
+            *(text_key(chat_id, kind) for kind in settings.stream_types), children_key(chat_id)]
 
 
 class _ErrorBody(msgspec.Struct, frozen=True):
@@ -77,6 +87,8 @@ def script_arg(event: OutEvent) -> str:
         return event.turn_id
     if kind == "title":
         return event.title_source
+    if kind == "child":
+        return event.child
     if event.durable and event.fill:
         return f"{event.attempt} fill"
     return event.attempt
@@ -158,6 +170,7 @@ class _ReadReply(msgspec.Struct, frozen=True):
     created: bool = False
     feed: str | None = None
     streams: list[OpenStream] = []
+    children: list[str] = []
     frames: list[tuple[int, msgspec.Raw]] = []
 
 
@@ -180,12 +193,14 @@ class ReadScript:
         return History(
             meta=Meta.from_fields(r.meta) if r.meta is not None else None,
             frames=[(seq, bytes(frame)) for seq, frame in r.frames],
-            streams=r.streams, created=r.created, feed=r.feed)
+            streams=r.streams, created=r.created, feed=r.feed, children=r.children)
 
 
 class Deleted(msgspec.Struct, frozen=True):
     owner: str | None = None  # None: there was no such conversation
     feed: str | None = None  # the feed frame that tells the owner's devices
+    parent: str = ""  # a sub-conversation's parent
+    children: list[str] = []  # the sub-conversations it had (the store deletes them)
 
 
 class DeleteScript:
@@ -203,6 +218,29 @@ class DeleteScript:
     def decode(self, reply: bytes) -> Deleted:
         deleted: Deleted = self._decode(reply)
         return deleted
+
+
+class ChildCreated(msgspec.Struct, frozen=True):
+    created: bool
+    epoch: str  # the conversation's, new or existing
+    ts: int = 0
+    feed: str | None = None  # created: the feed frame that announces it
+    parent: str = ""  # not created: the existing conversation's parent ("" for none)
+
+
+class ChildScript:
+    """``child.lua``: create a sub-conversation, its meta naming its parent."""
+
+    def __init__(self) -> None:
+        self.script = load("child.lua")
+        self._decode = msgspec.json.Decoder(ChildCreated).decode
+
+    def call(self, chat_id: str, owner: str, parent: str, fresh: str) -> Call:
+        return self.script, [meta_key(chat_id)], [owner, fresh, chat_id, parent]
+
+    def decode(self, reply: bytes) -> ChildCreated:
+        created: ChildCreated = self._decode(reply)
+        return created
 
 
 class RotateScript:

@@ -76,6 +76,14 @@ export interface UsageTotals {
   active: Record<string, number>;
 }
 
+/** A sub-conversation as its parent lists it (`snapshot.children`, `GET .../children`). */
+export interface ChildSummary {
+  chat_id: string;
+  title: string | null;
+  status: "idle" | "running";
+  usage: UsageTotals;
+}
+
 export interface Snapshot {
   title: string | null;
   status: "idle" | "running";
@@ -89,6 +97,8 @@ export interface Snapshot {
   usage?: UsageTotals;
   /** User messages and turns on the active path. */
   message_count?: number;
+  /** The conversation's sub-conversations, oldest first; omitted when it has none. */
+  children?: ChildSummary[];
 }
 
 export interface SubscribedFrame {
@@ -156,6 +166,8 @@ export interface ConversationFrame {
   /** Absent on a deletion. */
   usage?: UsageTotals;
   message_count?: number;
+  /** A sub-conversation's parent (null for a top-level one); absent when deleted. */
+  parent?: string | null;
   created: boolean;
   deleted: boolean;
 }
@@ -197,6 +209,8 @@ export type TurnEndEvent = EventFrame<"turn_end", {
 export type GoalStateEvent = EventFrame<"goal_state", GoalState>;
 export type TitleEvent = EventFrame<"title", { title: string; previous: string | null; source: string }>;
 export type DeletedEvent = EventFrame<"deleted", { epoch: string; last_seq: number }>;
+/** A sub-conversation was opened (conversation-level: no `node`). */
+export type ChildEvent = EventFrame<"child", { chat_id: string; title: string | null }>;
 
 /** A page of `GET /v1/conversations/{chat_id}/events`. */
 export interface HistoryPage {

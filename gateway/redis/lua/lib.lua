@@ -84,5 +84,6 @@ local function announce(chat, m, now, created)
     ',"usage":{"billed":' .. ((m.usage_billed or '') ~= '' and m.usage_billed or '{}') ..
     ',"active":' .. ((m.usage_active or '') ~= '' and m.usage_active or '{}') .. '}' ..
     ',"message_count":' .. (m.msgs or '0') ..
+    ',"parent":' .. ((m.parent or '') ~= '' and cjson.encode(m.parent) or 'null') ..
     ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}'
 end

@@ -4,7 +4,8 @@
 -- KEYS[1] meta hash, KEYS[2] event log (a Redis Stream), KEYS[3] the tree (tree.lua)
 -- KEYS[4] the turn starts: the seq of every user message still in the log
 -- KEYS[5 .. 4+k] the text key of each streamed type, in ARGV[9]'s order
--- KEYS[5+k] idempotency key (optional)
+-- KEYS[5+k] the sub-conversations (a sorted set: chat id -> created ms)
+-- KEYS[6+k] idempotency key (optional)
 -- ARGV[1] room channel (a sharded channel in the conversation's slot)
 -- ARGV[2] log max length (trimmed at turn boundaries)
 -- ARGV[3] idempotency ttl (s)
@@ -34,6 +35,7 @@
 --   cancel_requested  the turn it cancels, or "" for the running one; needs a running turn
 --   goal_state    (none) data is stored as the conversation's goal snapshot
 --   title         the title's source; data is the new title (raw text)
+--   child         the sub-conversation's chat id, added to KEYS[5+k]; data {chat_id, title}
 --   a streamed type (ephemeral, while a turn runs)  the run's attempt: the delta joins its
 --                 type's open stream ("stream":{"id","pos"}), or opens one; an open stream
 --                 of another attempt is discarded first
@@ -56,7 +58,7 @@
 -- streams committed as partials on its branch).
 --
 -- Every durable event of a node is stored with its node id (log field "n"; "" for the
--- conversation-level types title, goal_state and head) and its frame carries "node".
+-- conversation-level types title, goal_state, head and child) and its frame carries "node".
 --
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
@@ -86,7 +88,8 @@ for typ in string.gmatch(ARGV[9], '[^,]+') do
   local commit = typ == 'delta' and 'message' or string.sub(typ, 1, -7)
   commit_type[typ], streamed_type[commit] = commit, typ
 end
-local idem = KEYS[5 + k]
+local children = KEYS[5 + k]
+local idem = KEYS[6 + k]
 
 local m_owner = nil
 local late_feed = nil  -- a refused late turn_end's usage was counted: the feed tells it
@@ -313,7 +316,7 @@ local touched = {}  -- stream headers to write back
 local opened = 0
 local started_or_cancelled = nil
 local message_node = nil  -- the user_message this batch added
-local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true}
+local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true, child = true}
 
 -- The node a durable event belongs to ("" for the conversation itself).
 local function node_of(typ, arg)
@@ -417,6 +420,8 @@ for i = 0, n - 1 do
            ',"source":' .. cjson.encode(arg) .. '}'
     m.title = ARGV[base + 2 + i * 4]
     listed, changed = true, true
+  elseif typ == 'child' then
+    redis.call('ZADD', children, now, arg)
   elseif text_key[typ] and not durable and m.status == 'running' then
     local s = open_stream(m, typ)
     if s and (s.turn ~= m.turn_id or s.attempt ~= arg) then
