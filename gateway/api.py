@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import __version__, logs, sse
 from . import protocol as p
-from .auth import Principal, check_access
+from .auth import AuthError, Principal, check_access
 from .errors import ErrorBody, ErrorDetail, Rejected
 from .events import TYPED_EVENT, AgentEventType, EventList, PublishBatch, PublishEvent
 from .openapi import Api
@@ -36,6 +36,7 @@ MAX_BODY_BYTES = 1 << 20
 T = TypeVar("T")
 _encode = msgspec.json.encode
 EVENT_STREAM = sse.MEDIA_TYPE
+NO_STORE = {"Cache-Control": "no-store"}  # a reply that holds a credential
 
 # A new route: its handler below with @API.operation(...), and the type of any new path
 # parameter here. Nothing else: the route and its document entry come from that one place.
@@ -249,6 +250,11 @@ class TreeView(msgspec.Struct, frozen=True):
     roots: list[str]  # the first messages
     forks: list[ForkLeaf]
     nodes: list[TreeNodeView]  # by seq
+
+
+class WsTicket(msgspec.Struct, frozen=True):
+    ticket: str  # give it as `GET /v1/ws?ticket=`: good for one connection
+    expires_in: int  # seconds it stays valid, at most 30 (never past the token's expiry)
 
 
 class Health(msgspec.Struct, frozen=True):
@@ -597,6 +603,23 @@ async def switch(request: Request) -> Response:
 )
 async def stream(request: Request) -> Response:
     return await sse.endpoint(request)
+
+
+@API.operation(
+    "POST", "/v1/ws-ticket", summary="A connection ticket for the WebSocket",
+    description="Trades the bearer token for a ticket that opens one connection to "
+    "`GET /v1/ws?ticket=<ticket>` within `expires_in` seconds (at most 30, never past the "
+    "token's expiry), on any gateway process, as the token's user and role. A browser "
+    "cannot set headers on a WebSocket: this keeps its token out of URLs. No body.",
+    reply=WsTicket, errors=(503,),
+)
+async def ws_ticket(request: Request) -> Response:
+    who = _principal(request)
+    try:
+        ticket, ttl = await _gateway(request).tickets.issue(who)
+    except AuthError as exc:
+        raise Rejected("unauthorized", str(exc)) from None
+    return JSONResponse(_encode(WsTicket(ticket, ttl)), headers=NO_STORE)
 
 
 @API.operation("GET", "/healthz", summary="The process is alive", auth=False, reply=Health)

@@ -1,4 +1,5 @@
-"""``/v1/ws``: the handshake (origin, subprotocol, token, limits), then a :class:`Session`.
+"""``/v1/ws``: the handshake (origin, subprotocol, token or ticket, limits), then a
+:class:`Session`.
 
 A plain ASGI endpoint rather than a Starlette ``WebSocket``: the session reads ASGI
 ``receive`` itself and writes through :mod:`gateway.transport.outbound`, so a connection
@@ -11,12 +12,13 @@ import logging
 import secrets
 from typing import Any
 
+from redis.exceptions import RedisError
 from starlette.datastructures import Headers, QueryParams
 
 from . import logs
 from . import protocol as p
 from .auth import AuthError, bearer
-from .closecodes import FORBIDDEN, TOO_MANY, UNAUTHORIZED
+from .closecodes import BACKEND_UNAVAILABLE, FORBIDDEN, TOO_MANY, UNAUTHORIZED
 from .metrics import COUNTS
 from .runtime import Gateway
 from .session import Receive, Send, Session
@@ -49,9 +51,19 @@ class SocketEndpoint:
         chosen = p.MSGPACK_SUBPROTOCOL if p.MSGPACK_SUBPROTOCOL in offered else (
             p.JSON_SUBPROTOCOL if p.JSON_SUBPROTOCOL in offered else None)
         await send({"type": "websocket.accept", "subprotocol": chosen, "headers": []})
-        query_token = QueryParams(scope.get("query_string", b"")).get("token")
+        query = QueryParams(scope.get("query_string", b""))
+        authorization, ticket = headers.get("authorization"), query.get("ticket")
         try:
-            principal = gateway.tokens.verify(bearer(headers.get("authorization"), query_token))
+            if ticket is not None and not authorization:
+                principal = await gateway.tickets.redeem(ticket)
+            else:
+                principal = gateway.tokens.verify(bearer(authorization, query.get("token")))
+        except (RedisError, ConnectionError) as exc:
+            log.warning("ticket not redeemed: redis: %s", exc)
+            await send({"type": "websocket.close", "code": BACKEND_UNAVAILABLE,
+                        "reason": "backend unavailable"})
+            COUNTS.closed[BACKEND_UNAVAILABLE] += 1
+            return
         except AuthError as exc:
             log.info("token refused: %s", exc)
             await send({"type": "websocket.close", "code": UNAUTHORIZED,

@@ -89,19 +89,20 @@ def ids(record: logging.LogRecord) -> dict[str, str]:
 # --- no secrets ----------------------------------------------------------------------------
 
 
-_SECRET_RE = re.compile(r"(token=)[^&\s\"']*|(bearer\s+)[^\s\"',)]+", re.IGNORECASE)
+_SECRET_RE = re.compile(r"((?:token|ticket)=)[^&\s\"']*|(bearer\s+)[^\s\"',)]+",
+                        re.IGNORECASE)
 # websockets logs every frame it parses or sends at debug level, payload included.
 _FRAME_DUMPS = ("< %s", "> %s")
 
 
 def redact(text: str) -> str:
-    """``text`` with every ``token=`` value and bearer credential replaced."""
+    """``text`` with every ``token=`` and ``ticket=`` value and bearer credential replaced."""
     return _SECRET_RE.sub(lambda m: (m.group(1) or m.group(2)) + "[redacted]", text)
 
 
 def _has_secret(text: str) -> bool:
     lowered = text.lower()
-    return "token=" in lowered or "bearer" in lowered
+    return "token=" in lowered or "ticket=" in lowered or "bearer" in lowered
 
 
 class RedactSecrets(logging.Filter):

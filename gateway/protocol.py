@@ -58,6 +58,7 @@ class Subscribe(msgspec.Struct, tag="subscribe", tag_field="type", frozen=True):
     chat_id: ChatId
     since: Since | None = None
     id: RequestId | None = None
+    create: bool = True  # false: a conversation that does not exist is not_found, not created
 
 
 class Unsubscribe(msgspec.Struct, tag="unsubscribe", tag_field="type", frozen=True):

@@ -24,6 +24,7 @@ from .errors import Rejected
 from .hub import Hub
 from .redis.backend import Backend
 from .redis.store import Store
+from .tickets import Tickets
 
 log = logging.getLogger("gateway")
 
@@ -63,6 +64,7 @@ class Gateway:
         self.store: Store
         self.hub: Hub
         self.conversations: Conversations
+        self.tickets: Tickets
         self.tokens = TokenCache(settings.secret)
         self.sessions: dict[str, set[Connection]] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -75,6 +77,7 @@ class Gateway:
         self.store = Store(self.backend, self.settings)
         self.hub = Hub(self.backend, self.store, on_unavailable=self._backend_unavailable)
         self.conversations = Conversations(self.store, self.settings)
+        self.tickets = Tickets(self.backend)
         await self.hub.start()
         moved = await self.store.migrate_lists()
         if moved:

@@ -426,7 +426,7 @@ class Session:
         frame published from now on lands in ``sub.pending`` until it is merged.
         ``joined`` is the hub's mark taken when the room was joined."""
         chat_id = req.chat_id
-        create = self.principal.user_id if self.settings.auto_create else ""
+        create = self.principal.user_id if self.settings.auto_create and req.create else ""
         try:
             caught = await catch_up(self.hub, chat_id, self.principal, since,
                                     self.settings.replay_limit,
@@ -457,7 +457,8 @@ class Session:
         if sub.resync:  # the history changed while we read it: read it again
             sub.resync = False
             since = p.Since(cursor.last_seq, meta.epoch)  # unasked: no request id
-            await self._sync(p.Subscribe(chat_id, since), sub, since, overflowed=None)
+            await self._sync(p.Subscribe(chat_id, since, create=req.create), sub, since,
+                             overflowed=None)
             return
         sub.state = State.LIVE
         sub.epoch, sub.last_seq, sub.floor = cursor.epoch, cursor.last_seq, cursor.floor

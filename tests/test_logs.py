@@ -55,15 +55,16 @@ def everything_written(data_dir: Path) -> str:
 
 
 def secrets_of(token: str) -> list[str]:
-    """The token and its signature (what would let someone reuse or forge it)."""
-    return [token, token.rsplit(".", 1)[1]]
+    """The token and its signature (what would let someone reuse or forge it); a ticket
+    (no dots) is its whole self."""
+    return [token, token.rsplit(".", 1)[-1]]
 
 
 # --- no token in the logs ----------------------------------------------------------------
 
 
 async def exercise(gw: GatewayProcess, user: str, chat_id: str) -> list[str]:
-    """Everything a client may do with ``?token=``; returns every token used."""
+    """Everything a client may do with ``?token=`` or a ticket; returns every secret used."""
     token, service = gw.token(user), gw.token("agent", "service")
     expired, other = gw.token(user, ttl=-60), gw.token(user + "x")
     base = f"{gw.ws}?token={token}"
@@ -112,7 +113,14 @@ async def exercise(gw: GatewayProcess, user: str, chat_id: str) -> list[str]:
                 async for line in sse.aiter_lines():
                     if line.startswith("event: ready"):
                         break
-    return [token, service, expired, other]
+        # A ticket instead of the token: used, then refused when used again.
+        ticket = (await http.post("/v1/ws-ticket", headers={"Authorization": f"Bearer {token}"})
+                  ).json()["ticket"]
+    async with connect(f"{gw.ws}?ticket={ticket}") as ws:
+        await assert_usable(ws, "ticket")
+    async with connect(f"{gw.ws}?ticket={ticket}", hello=False) as ws:
+        assert await ws.close_code() == 4001
+    return [token, service, expired, other, ticket]
 
 
 def serve(gateway_env: dict[str, str], data_dir: Path, level: str) -> GatewayProcess:
@@ -134,6 +142,7 @@ async def test_no_token_reaches_the_logs(gateway_env: dict[str, str], tmp_path: 
     assert written.count(ACCEPTED) == 4, written[-3000:]
     assert '"WebSocket /v1/ws?v=1&token=[redacted]&after=x" [accepted]' in written
     assert '"WebSocket /v1/ws?token=[redacted]" 403' in written  # the refused origin
+    assert written.count('"WebSocket /v1/ws?ticket=[redacted]" [accepted]') == 2
     for token in tokens:
         for secret in secrets_of(token):
             assert secret not in written, [line for line in written.splitlines()
@@ -144,10 +153,12 @@ async def test_no_token_reaches_the_logs(gateway_env: dict[str, str], tmp_path: 
 def test_the_redacting_filter_rewrites_every_token_parameter() -> None:
     record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1,
                                '%s - "WebSocket %s" [accepted]',
-                               ("127.0.0.1:5", "/v1/ws?token=a.b.c&x=1&token=d.e.f"), None)
+                               ("127.0.0.1:5", "/v1/ws?token=a.b.c&x=1&token=d.e.f&ticket=g_h"),
+                               None)
     assert RedactSecrets().filter(record) is True
     assert record.getMessage() == (
-        '127.0.0.1:5 - "WebSocket /v1/ws?token=[redacted]&x=1&token=[redacted]" [accepted]')
+        '127.0.0.1:5 - "WebSocket /v1/ws?token=[redacted]&x=1&token=[redacted]'
+        '&ticket=[redacted]" [accepted]')
     plain = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "%s ready", ("x",),
                               None)
     assert RedactSecrets().filter(plain) is True and plain.getMessage() == "x ready"

@@ -200,6 +200,9 @@ async def test_a_conversation_in_full_keeps_the_contract(gateway: Any, user: str
     [fork] = active["forks"].values()  # the edit, on the path, beside the first message
     assert fork == {"siblings": [undone["msg_id"], *active["forks"]], "index": 1}
     call("PATCH", one, user_headers, path_parameters=here, body={"title": "Lisbon"})
+    ticket = call("POST", "/v1/ws-ticket", user_headers)
+    async with connect(f"{gateway.ws}?ticket={ticket['ticket']}") as ws:
+        assert ws.hello["user_id"] == user
     call("DELETE", one, user_headers, path_parameters=here)
 
 

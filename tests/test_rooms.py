@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import pytest
 
 from .steps import publish
@@ -114,3 +115,35 @@ async def test_replay_over_the_cap_is_not_recovered(start_gateway: Any, user: st
         ok = await ws.subscribe(chat_id, since={"seq": 1, "epoch": sub["epoch"]})
         assert ok["recovered"] is True and ok["replayed"] == 3
         assert [f["seq"] for f in await ws.events(chat_id, 3)] == [2, 3, 4]
+
+
+async def test_subscribe_with_create_false_creates_nothing(gateway: Any, user: str,
+                                                           chat_id: str) -> None:
+    """Opening a link to a conversation that does not exist must not write it."""
+    async with connect(gateway.url(user)) as ws:
+        await ws.send({"type": "subscribe", "chat_id": chat_id, "create": False, "id": "s1"})
+        err = await ws.expect("error", code="not_found", id="s1", chat_id=chat_id)
+        assert chat_id in err["message"]
+        # With since as well (a stale link with a resume point).
+        await ws.send({"type": "subscribe", "chat_id": chat_id, "create": False, "id": "s2",
+                       "since": {"seq": 3, "epoch": "e"}})
+        await ws.expect("error", code="not_found", id="s2")
+        await ws.send({"type": "ping", "id": "p"})
+        await ws.expect("pong", id="p")  # nothing for the refused chat came first
+        await ws.send({"type": "subscribe", "chat_id": chat_id, "create": "no", "id": "s3"})
+        bad = await ws.expect("error", code="invalid_frame", id="s3")
+        assert "create" in bad["message"]
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        mine = gateway.headers(user)
+        assert (await http.get(f"/v1/conversations/{chat_id}", headers=mine)).status_code == 404
+        listed = (await http.get("/v1/conversations", headers=mine)).json()["conversations"]
+        assert chat_id not in [c["chat_id"] for c in listed]
+    # An existing one subscribes as usual; the default still creates.
+    async with connect(gateway.url(user)) as ws:
+        created = await ws.subscribe(chat_id)
+        assert created["seq"] == 0
+        again = await ws.subscribe(chat_id + "x", create=True)
+        assert again["seq"] == 0
+    async with connect(gateway.url(user)) as ws:
+        found = await ws.subscribe(chat_id, create=False)
+        assert found["epoch"] == created["epoch"]

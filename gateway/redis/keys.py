@@ -17,6 +17,7 @@ traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``:
     c:{chat}:ev          sharded pub/sub channel of the room
     {u:<user>}:feed      sharded pub/sub channel of a user's conversation feed
     {u:<user>}:convs     sorted set: the user's conversations by last change
+    wst:<sha256>         a WebSocket connection ticket: who it stands for (TTL, used once)
 
 The agent inbox, turn deadlines and the hand-off outbox are :mod:`.agent_inbox`'s.
 """
@@ -62,3 +63,9 @@ def feed_channel(user_id: str) -> str:
 
 def index_key(user_id: str) -> str:
     return f"{{u:{user_id}}}:convs"
+
+
+def ticket_key(digest: str) -> str:
+    """A WebSocket connection ticket, by the SHA-256 of the ticket (:mod:`gateway.tickets`):
+    the key name alone does not let anyone connect."""
+    return f"wst:{digest}"

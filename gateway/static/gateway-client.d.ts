@@ -225,6 +225,36 @@ export interface HistoryPage {
   events: EventFrame[];
 }
 
+/** A page of `GET /v1/conversations`. */
+export interface ConversationPage {
+  conversations: Conversation[];
+  /** Give it as `cursor` for the next page; null on the last. */
+  next_cursor: number | null;
+}
+
+/** A conversation as the HTTP API shows it. */
+export interface Conversation {
+  chat_id: string;
+  owner: string;
+  title: string | null;
+  status: "idle" | "running";
+  turn_id: string | null;
+  epoch: string;
+  last_seq: number;
+  created_at: number;
+  updated_at: number;
+  goal_state: GoalState | null;
+  preview: string | null;
+  head: string | null;
+}
+
+/** `POST /v1/ws-ticket`: a single-use connection ticket for `GET /v1/ws?ticket=`. */
+export interface WsTicket {
+  ticket: string;
+  /** Seconds it stays valid: at most 30, never past the token's expiry. */
+  expires_in: number;
+}
+
 export type ServerFrame =
   | HelloFrame | SubscribedFrame | UnsubscribedFrame | LeftFrame | AckFrame | PongFrame
   | ErrorFrame | ConversationFrame | EventFrame;
@@ -234,8 +264,11 @@ export type ServerFrame =
 export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | "closed";
 
 export interface TokenRequest {
-  /** "connect" (first attempt), "reconnect", or "expired" (the last close was 4011). */
-  reason: "connect" | "reconnect" | "expired";
+  /**
+   * "connect" (first attempt), "reconnect", "expired" (the last close was 4011), or
+   * "request" (an HTTP call: request(), listConversations()).
+   */
+  reason: "connect" | "reconnect" | "expired" | "request";
   lastClose: { code: number; reason: string } | null;
 }
 
@@ -246,9 +279,32 @@ export interface GatewayClientOptions {
   /** ws(s)://host/v1/ws; defaults to the page's host. */
   url?: string;
   token?: TokenSource;
+  /**
+   * Connect with a single-use ticket (`POST /v1/ws-ticket`, then `?ticket=`) instead of
+   * `?token=`, so the token is in no URL. Default: true when a token is given, `fetch`
+   * exists and the gateway is on the page's origin (or there is no page); false sends
+   * `?token=`. A ticket refused with 401 stops the client as a 4001 close would.
+   */
+  useTicket?: boolean;
+  /** The HTTP API's origin (default: `url`'s, ws -> http, wss -> https). */
+  httpUrl?: string;
+  /** Every HTTP call gives up after this many ms (default 10000). */
+  httpTimeout?: number;
+  /** A WHATWG fetch (defaults to globalThis.fetch). */
+  fetch?: typeof fetch;
   /** A WHATWG WebSocket constructor (defaults to globalThis.WebSocket). */
   WebSocket?: { new (url: string, protocols?: string | string[]): WebSocket };
-  /** Backoff base, ms (default 500). */
+  /**
+   * The first reconnect after an open socket went (a 1012 restart, a dead network) waits a
+   * random 0 to reconnectJitter ms (default 500), so a pod's clients do not arrive together.
+   */
+  reconnectJitter?: number;
+  /**
+   * For 30 s after a 1012 (a gateway restarting, back within seconds) failed attempts wait
+   * at most this many ms (default 2000) rather than growing to maxDelay.
+   */
+  restartMaxDelay?: number;
+  /** Backoff base for attempts that failed, ms (default 500). */
   initialDelay?: number;
   /** Backoff cap, ms (default 15000). */
   maxDelay?: number;
@@ -262,6 +318,10 @@ export interface GatewayClientOptions {
   idlePing?: number;
   /** No answer to that ping within this many ms: the socket is dead, reconnect (default 5000). */
   pongTimeout?: number;
+  /** While a subscribed chat streams an answer or runs a turn: ping after this many ms (default 2000). */
+  activePing?: number;
+  /** ...and give up on the socket after this many more (default 2500): noticed within 5 s. */
+  activePongTimeout?: number;
 }
 
 /** An answer being written, as the client holds it. */
@@ -377,11 +437,12 @@ export interface EditOptions extends TreeOpOptions {
 
 export interface StateChange {
   state: ConnectionState;
+  /** Attempts since the last open socket (1: the first reconnect, which goes out at once). */
   attempt: number;
   /** Close code that caused this state, when there was one. */
   code?: number;
   reason?: string;
-  /** "reconnecting": the wait before the next attempt (ms) and when it ends (epoch ms). */
+  /** "reconnecting": the real wait before the next attempt (ms) and when it ends (epoch ms). */
   delay?: number;
   retryAt?: number;
   /** "closed": true when a terminal close code (4001/4003/4004) stopped the client. */
@@ -409,6 +470,13 @@ export interface RecoveryEvent {
 export interface GapEvent { chatId: string; expected: number; got: number; stream?: string }
 export interface ClosedEvent { code: number; reason: string; terminal: boolean }
 
+/**
+ * A connection opened after another was lost, and its conversation feed is live: feed
+ * frames sent meanwhile are not replayed, so list the conversations again
+ * (listConversations()) to catch up.
+ */
+export interface FeedGapEvent { connectionId: string }
+
 export interface GatewayClientEvents {
   state: StateChange;
   hello: HelloFrame;
@@ -423,6 +491,8 @@ export interface GatewayClientEvents {
   /** The network is back: the client reconnects (or checks its socket) at once. */
   online: Record<string, never>;
   conversation: ConversationFrame;
+  /** Reconnected: the feed missed what changed meanwhile; list the conversations again. */
+  feed_gap: FeedGapEvent;
   /** A chat's head moved: show its new active path. */
   head: HeadChange;
   ack: AckFrame;
@@ -433,6 +503,29 @@ export interface GatewayClientEvents {
 export interface SubscribeOptions {
   /** Resume point, e.g. {seq: last_seq, epoch} of a history page just loaded over HTTP. */
   since?: Since | null;
+  /**
+   * false: a conversation that does not exist is not created (opening a link must not
+   * write); subscribe() rejects with code "not_found". Kept for the chat's resubscribes.
+   * Default true.
+   */
+  create?: boolean;
+}
+
+export interface RequestOptions {
+  /** A JSON body. */
+  body?: unknown;
+  /** ms; default the client's httpTimeout. */
+  timeout?: number;
+  signal?: AbortSignal;
+}
+
+export interface ListConversationsOptions {
+  limit?: number;
+  cursor?: number;
+  /** Per attempt, ms; default the client's httpTimeout. */
+  timeout?: number;
+  /** Stop retrying. */
+  signal?: AbortSignal;
 }
 
 export interface SendMessageOptions {
@@ -442,9 +535,13 @@ export interface SendMessageOptions {
 }
 
 export declare class GatewayError extends Error {
-  constructor(code: string, message?: string, frame?: ErrorFrame | null);
-  readonly code: ErrorCode | "not_connected" | "disconnected";
+  constructor(code: string, message?: string, frame?: ErrorFrame | null, status?: number | null);
+  /** An HTTP call's: the error reply's code, or "timeout", "network", "aborted", "http_error". */
+  readonly code: ErrorCode | "not_connected" | "disconnected" | "timeout" | "network" | "aborted"
+    | "unauthorized" | "http_error";
   readonly frame: ErrorFrame | null;
+  /** The HTTP status of an HTTP call's error reply; null otherwise. */
+  readonly status: number | null;
   /** A refused tree operation: the head now (null: none); undefined when not said. */
   readonly head: string | null | undefined;
 }
@@ -456,6 +553,8 @@ export declare function backoffDelay(attempt: number, initialDelay?: number, max
 export declare class GatewayClient {
   constructor(options?: GatewayClientOptions);
   readonly url: string;
+  /** The HTTP API's origin. */
+  readonly httpUrl: string;
   readonly state: ConnectionState;
   /** True once `hello` arrived on the current socket. */
   readonly connected: boolean;
@@ -476,6 +575,17 @@ export declare class GatewayClient {
   setToken(token: TokenSource): void;
   /** Round-trip time in ms. */
   ping(): Promise<number>;
+  /**
+   * An HTTP API call with the client's token and a timeout; resolves with the JSON reply
+   * (null for none). Rejects with a GatewayError (the reply's code and status, or "timeout",
+   * "network", "aborted").
+   */
+  request(method: string, path: string, options?: RequestOptions): Promise<any>;
+  /**
+   * `GET /v1/conversations`, each attempt with a timeout, retried after a backoff until it
+   * succeeds (an error reply or the signal rejects). On load and on every `feed_gap`.
+   */
+  listConversations(options?: ListConversationsOptions): Promise<ConversationPage>;
 
   /**
    * Resolves with the `subscribed` frame, or null if unsubscribed, left or deleted before it

@@ -13,8 +13,13 @@
 //   await client.sendMessage("trip", "plan a day in Lisbon");
 //
 // What it does for you:
-// - reconnects with exponential backoff and full jitter; stops on the terminal close codes
+// - keeps the token out of URLs: before each socket it trades the token for a single-use
+//   connection ticket (POST /v1/ws-ticket) and connects with `?ticket=` (option useTicket);
+// - reconnects at once (with a little jitter) when an open socket goes, with exponential
+//   backoff and full jitter only for attempts that failed; stops on the terminal close codes
 //   (4001, 4003, 4004); asks the token callback again on every attempt (so 4011 gets a fresh one);
+// - notices a dead network: a ping after 5 s of silence (2 s while an answer streams), and a
+//   socket that does not answer within 5 s (2.5 s) more is replaced;
 // - remembers {seq, epoch} per chat, resubscribes with `since` after a reconnect, drops
 //   duplicate durable events, repairs a gap by resubscribing, and tells the app with a
 //   `recovery` event when the gateway answers `recovered: false` (reload history over HTTP);
@@ -33,7 +38,8 @@
 
 /**
  * @import {
- *   AckFrame, ConnectionState, ConversationFrame, EditOptions, ErrorFrame, EventFrame,
+ *   AckFrame, ConnectionState, ConversationFrame, ConversationPage, EditOptions, ErrorFrame,
+ *   EventFrame, ListConversationsOptions, RequestOptions, WsTicket,
  *   GatewayClientEvents, GatewayClientOptions, HeadMove, HelloFrame, HistoryPage, LeftFrame,
  *   PongFrame, RequestId, SendMessageOptions, ServerFrame, Siblings, Since, StateChange,
  *   StreamState, SubscribedEvent, SubscribedFrame, SubscribeOptions, TokenRequest,
@@ -57,6 +63,8 @@
  * @property {Map<string, StreamState>} streams
  * @property {boolean} resyncing
  * @property {ConversationTree} tree
+ * @property {boolean} create subscribe with `create: false` when false
+ * @property {boolean} running a turn runs (tokens are expected)
  */
 
 /** @typedef {"message" | "cancel" | "retry" | "edit" | "undo" | "switch"} OutboxKind */
@@ -104,6 +112,8 @@ export const CloseCodes = Object.freeze({
  * @type {ReadonlySet<number>}
  */
 export const TERMINAL_CLOSE_CODES = Object.freeze(new Set([4001, 4003, 4004]));
+/** How long after a 1012 failed attempts keep to restartMaxDelay (ms). */
+const RESTART_WINDOW = 30000;
 /** Close codes that ask for a real backoff before the next attempt (never an instant retry). */
 const BUSY_CLOSE_CODES = new Set([4029, 1013]);
 
@@ -114,18 +124,24 @@ const HEAD_ACKS = new Set(["message", "retry", "edit", "undo", "switch"]);
 /** Tree operations: not idempotent, so never written twice (see _connectionLost). */
 const TREE_OPS = new Set(["retry", "edit", "undo", "switch"]);
 
-/** An error reported by the gateway (an `error` frame), or by the client itself. */
+/**
+ * An error reported by the gateway (an `error` frame, or an HTTP error reply), or by the
+ * client itself.
+ */
 export class GatewayError extends Error {
   /**
    * @param {string} code
    * @param {string} [message]
    * @param {ErrorFrame | null} [frame]
+   * @param {number | null} [status]
    */
-  constructor(code, message, frame = null) {
+  constructor(code, message, frame = null, status = null) {
     super(message || code);
     this.name = "GatewayError";
     this.code = code;
     this.frame = frame;
+    /** The HTTP status of an HTTP call's error reply; null otherwise. */
+    this.status = status;
     /**
      * A refused tree operation: the conversation's head now (null: none); undefined when
      * the gateway did not say.
@@ -159,6 +175,16 @@ export function newClientMsgId() {
 export function backoffDelay(attempt, initialDelay = 500, maxDelay = 15000, random = Math.random) {
   const cap = Math.min(maxDelay, initialDelay * 2 ** Math.min(attempt, 30));
   return Math.floor(random() * cap);
+}
+
+/**
+ * The HTTP origin of a WebSocket URL: ws://host/v1/ws -> http://host.
+ * @param {string} url
+ * @returns {string}
+ */
+function httpOrigin(url) {
+  const u = new URL(url);
+  return (u.protocol === "wss:" ? "https:" : u.protocol === "ws:" ? "http:" : u.protocol) + "//" + u.host;
 }
 
 /** @returns {string} */
@@ -471,10 +497,31 @@ export class GatewayClient {
     this._random = options.random ?? Math.random;
     this._connectTimeout = options.connectTimeout ?? 10000;
     this._rateLimitRetry = options.rateLimitRetry ?? 1000;
-    // A silent dead socket is noticed within idlePing + pongTimeout (about 10 s).
+    // A silent dead socket is noticed within idlePing + pongTimeout (about 10 s); while an
+    // answer streams, tokens are expected: within activePing + activePongTimeout (< 5 s).
     this._idlePing = options.idlePing ?? 5000;
     this._pongTimeout = options.pongTimeout ?? 5000;
+    this._activePing = options.activePing ?? 2000;
+    this._activePongTimeout = options.activePongTimeout ?? 2500;
+    // The first reconnect after an open socket went: a whole pod's clients at once after a
+    // restart (1012) or a crash, spread over this many ms rather than all in the same one.
+    this._reconnectJitter = options.reconnectJitter ?? 500;
+    // A gateway that said it restarts (1012) is back within seconds: for RESTART_WINDOW ms
+    // after one, failed attempts wait at most restartMaxDelay, not the full backoff.
+    this._restartMaxDelay = options.restartMaxDelay ?? 2000;
+    this._restartAt = 0;
     this._hiddenSince = 0;
+    this._offline = false;
+    /** @type {typeof fetch | null} */
+    this._fetch = options.fetch ?? (typeof globalThis.fetch === "function" ? globalThis.fetch.bind(globalThis) : null);
+    this.httpUrl = (options.httpUrl ?? httpOrigin(this.url)).replace(/\/+$/, "");
+    this._httpTimeout = options.httpTimeout ?? 10000;
+    // A ticket (single use, 30 s) rather than the token in the socket's URL, where a browser
+    // would print it in the console for every failed attempt. Same origin only by default:
+    // the gateway sends no CORS headers, so a page elsewhere cannot fetch one.
+    const page = globalThis.location?.origin;
+    this._useTicket = options.useTicket ?? (this._token != null && this._fetch != null
+      && (!page || page === "null" || page === this.httpUrl));
 
     /** @type {Map<keyof GatewayClientEvents, Set<(event: any) => void>>} */
     this._listeners = new Map();
@@ -503,6 +550,8 @@ export class GatewayClient {
     this._retryTimer = undefined;
     this._lastRx = 0;
     this._pingSent = 0;
+    /** A connection was open before: the next one missed feed frames meanwhile. */
+    this._wasOpen = false;
     /** @type {TokenRequest["lastClose"]} */
     this._lastClose = null;
     /** Durable events dropped because their seq was already delivered. */
@@ -510,11 +559,13 @@ export class GatewayClient {
 
     // The browser knows before any timer does: say so at once, and reconnect at once.
     this._onOnline = () => {
+      this._offline = false;
       this._emit("online", {});
       if (this._ws && this._hello) this._probe();
       else this.reconnectNow();
     };
     this._onOffline = () => {
+      this._offline = true;
       this._emit("offline", {});
       if (this._ws) this._drop(this._ws, "offline");
     };
@@ -626,11 +677,13 @@ export class GatewayClient {
   }
 
   /**
-   * Skip the backoff wait and try now (also done on the browser's `online` event).
+   * Skip the backoff wait and try now (also done on the browser's `online` event); the
+   * backoff starts over.
    * @returns {void}
    */
   reconnectNow() {
     if (this._stopped || this._state !== "reconnecting") return;
+    this._attempt = 0;
     this._open("reconnect");
   }
 
@@ -692,7 +745,25 @@ export class GatewayClient {
     }
     if (generation !== this._generation || this._stopped) return;
     let url = this.url;
-    if (token) url += (url.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(token);
+    let query = token ? "token=" + encodeURIComponent(token) : "";
+    if (token && this._useTicket) {
+      try {
+        const { ticket } = /** @type {WsTicket} */ (
+          await this._http("POST", "/v1/ws-ticket", token, undefined, this._httpTimeout));
+        query = "ticket=" + encodeURIComponent(ticket);
+      } catch (/** @type {any} */ err) {
+        if (generation !== this._generation || this._stopped) return;
+        if (err?.status === 401) {
+          // The token itself is refused: as a socket with it would be, with 4001.
+          this._onSocketClosed(CloseCodes.UNAUTHORIZED, err.message);
+        } else {
+          this._scheduleReconnect(0, "no connection ticket: " + (err?.message ?? err));
+        }
+        return;
+      }
+      if (generation !== this._generation || this._stopped) return;
+    }
+    if (query) url += (url.includes("?") ? "&" : "?") + query;
     let ws;
     try {
       ws = new this._WebSocket(url, [JSON_SUBPROTOCOL]);
@@ -745,10 +816,12 @@ export class GatewayClient {
    */
   _onSocketClosed(code, reason) {
     const ws = this._ws;
+    const wasOpen = this._hello != null;
     if (ws) this._detach(ws);
     clearTimeout(this._timer);
     this._timer = undefined;
     this._lastClose = { code, reason };
+    if (code === CloseCodes.SERVER_RESTART) this._restartAt = Date.now();
     this._connectionLost();
     if (this._stopped) return;
     if (TERMINAL_CLOSE_CODES.has(code)) {
@@ -758,7 +831,7 @@ export class GatewayClient {
       return;
     }
     this._emit("closed", { code, reason, terminal: false });
-    this._scheduleReconnect(code, reason);
+    this._scheduleReconnect(code, reason, wasOpen);
   }
 
   /** Forget everything that only lived on the socket that just went away. */
@@ -796,15 +869,26 @@ export class GatewayClient {
   /**
    * @param {number} code
    * @param {string} reason
+   * @param {boolean} [wasOpen] the socket that went had said hello
    */
-  _scheduleReconnect(code, reason) {
+  _scheduleReconnect(code, reason, wasOpen = false) {
     let attempt = this._attempt++;
-    let floor = 0;
+    let delay;
     if (BUSY_CLOSE_CODES.has(code)) {
+      // The gateway asked for a pause: a real backoff, never an instant retry.
       attempt = Math.max(attempt, 2);
-      floor = this._initialDelay;
+      delay = Math.max(this._initialDelay, backoffDelay(attempt, this._initialDelay, this._maxDelay, this._random));
+    } else if (wasOpen && !this._offline) {
+      // An open socket went (a restart's 1012, a network change, a dead socket): back at
+      // once, but spread, so a pod's clients do not all arrive in the same millisecond.
+      delay = Math.floor(this._random() * this._reconnectJitter);
+    } else {
+      // Attempts that failed: the gateway or the network is not back yet. Soon after a
+      // 1012 the gateway is expected back any moment: keep the waits short.
+      const restarting = this._restartAt > 0 && Date.now() - this._restartAt < RESTART_WINDOW;
+      const cap = restarting ? Math.min(this._maxDelay, this._restartMaxDelay) : this._maxDelay;
+      delay = backoffDelay(attempt, this._initialDelay, cap, this._random);
     }
-    const delay = Math.max(floor, backoffDelay(attempt, this._initialDelay, this._maxDelay, this._random));
     this._setState("reconnecting", { code, reason, delay, retryAt: Date.now() + delay });
     const generation = ++this._generation;
     this._timer = setTimeout(() => {
@@ -815,17 +899,34 @@ export class GatewayClient {
   _startHeartbeat() {
     // After idlePing ms with nothing received, a ping; nothing within pongTimeout more: the
     // socket is dead (browsers do not notice a vanished network for minutes) and replaced.
+    // While an answer streams (or a turn runs) frames are expected: the shorter active ones.
     clearInterval(this._heartbeat);
+    const tick = Math.max(50, Math.min(this._idlePing, this._pongTimeout, this._activePing, this._activePongTimeout) / 20);
     this._heartbeat = setInterval(() => {
       const ws = this._ws;
       if (!ws || !this._hello) return;
-      const quiet = Date.now() - this._lastRx;
-      if (this._pingSent && Date.now() - this._pingSent > this._pongTimeout) {
+      const active = this._expecting();
+      const now = Date.now();
+      const pongWait = active ? Math.min(this._pongTimeout, this._activePongTimeout) : this._pongTimeout;
+      const pingAfter = active ? Math.min(this._idlePing, this._activePing) : this._idlePing;
+      if (this._pingSent && now - this._pingSent > pongWait) {
         this._drop(ws, "no answer to ping");
-      } else if (quiet > this._idlePing && !this._pingSent) {
+      } else if (now - this._lastRx > pingAfter && !this._pingSent) {
         this._probe();
       }
-    }, Math.max(100, Math.min(this._idlePing, this._pongTimeout) / 20)); // ±0.25 s on 10 s
+    }, tick); // 100 ms with the defaults
+  }
+
+  /**
+   * Whether frames are expected now: a chat the app wants live has an open stream or a
+   * running turn.
+   * @returns {boolean}
+   */
+  _expecting() {
+    for (const chat of this._chats.values()) {
+      if (chat.want === "live" && (chat.running || chat.streams.size > 0)) return true;
+    }
+    return false;
   }
 
   /** Ask the gateway for a sign of life now; the heartbeat drops the socket without one. */
@@ -864,6 +965,107 @@ export class GatewayClient {
     });
   }
 
+  // --- HTTP ----------------------------------------------------------------------------
+
+  /**
+   * A call of the gateway's HTTP API (protocol.md, "HTTP API") with the client's token, and
+   * a timeout: resolves with the decoded JSON reply (null for none). Rejects with a
+   * GatewayError: the reply's error `code` and `status`, or code "timeout" (no reply within
+   * `timeout` ms, default the `httpTimeout` option), "network" (no connection) or "aborted".
+   * @param {string} method
+   * @param {string} path
+   * @param {RequestOptions} [options]
+   * @returns {Promise<any>}
+   */
+  async request(method, path, options = {}) {
+    const token = await this._getToken("request");
+    return this._http(method, path, token ?? null, options.body, options.timeout ?? this._httpTimeout, options.signal);
+  }
+
+  /**
+   * The caller's conversations, newest change first (`GET /v1/conversations`), asked again
+   * until it succeeds: each attempt times out after `timeout` ms (default the `httpTimeout`
+   * option), and one that fails for want of a network or a gateway is retried after a
+   * backoff. An error reply (401, 400) rejects; so does `signal` aborting. Call it on load
+   * and on every `feed_gap`.
+   * @param {ListConversationsOptions} [options]
+   * @returns {Promise<ConversationPage>}
+   */
+  async listConversations(options = {}) {
+    const params = new URLSearchParams();
+    if (options.limit != null) params.set("limit", String(options.limit));
+    if (options.cursor != null) params.set("cursor", String(options.cursor));
+    const query = params.toString();
+    const path = "/v1/conversations" + (query ? "?" + query : "");
+    for (let attempt = 0; ; attempt++) {
+      try {
+        return await this.request("GET", path, { timeout: options.timeout, signal: options.signal });
+      } catch (/** @type {any} */ err) {
+        const transient = err?.code === "timeout" || err?.code === "network" || err?.status >= 500;
+        if (!transient || options.signal?.aborted) throw err;
+      }
+      const delay = Math.max(this._initialDelay, backoffDelay(attempt + 1, this._initialDelay, this._maxDelay, this._random));
+      await new Promise((resolve) => setTimeout(resolve, delay));
+      if (options.signal?.aborted) throw new GatewayError("aborted", "aborted");
+    }
+  }
+
+  /**
+   * @param {string} method
+   * @param {string} path
+   * @param {string | null} token
+   * @param {unknown} body
+   * @param {number} timeout
+   * @param {AbortSignal} [signal]
+   * @returns {Promise<any>}
+   */
+  async _http(method, path, token, body, timeout, signal) {
+    const doFetch = this._fetch;
+    if (!doFetch) throw new GatewayError("network", "no fetch() in this runtime");
+    if (signal?.aborted) throw new GatewayError("aborted", "aborted");
+    const controller = new AbortController();
+    let timedOut = false;
+    const timer = setTimeout(() => { timedOut = true; controller.abort(); }, timeout);
+    const onAbort = () => controller.abort();
+    signal?.addEventListener("abort", onAbort);
+    try {
+      /** @type {Record<string, string>} */
+      const headers = {};
+      if (token) headers.Authorization = "Bearer " + token;
+      if (body !== undefined) headers["Content-Type"] = "application/json";
+      let res;
+      try {
+        res = await doFetch(this.httpUrl + path, {
+          method, headers, signal: controller.signal, cache: "no-store",
+          body: body === undefined ? undefined : JSON.stringify(body),
+        });
+      } catch (/** @type {any} */ err) {
+        if (timedOut) throw new GatewayError("timeout", `${method} ${path}: no reply within ${timeout} ms`);
+        if (controller.signal.aborted) throw new GatewayError("aborted", "aborted");
+        throw new GatewayError("network", `${method} ${path}: ${err?.message ?? err}`);
+      }
+      let text;
+      try {
+        text = await res.text();
+      } catch (/** @type {any} */ err) {
+        if (timedOut) throw new GatewayError("timeout", `${method} ${path}: no reply within ${timeout} ms`);
+        throw new GatewayError("network", `${method} ${path}: ${err?.message ?? err}`);
+      }
+      let json = null;
+      try { json = text ? JSON.parse(text) : null; } catch { /* not JSON: said below */ }
+      if (!res.ok) {
+        const error = json?.error;
+        throw new GatewayError(typeof error?.code === "string" ? error.code : "http_error",
+          typeof error?.message === "string" ? error.message : `${method} ${path}: HTTP ${res.status}`,
+          null, res.status);
+      }
+      return json;
+    } finally {
+      clearTimeout(timer);
+      signal?.removeEventListener("abort", onAbort);
+    }
+  }
+
   // --- chats -------------------------------------------------------------------------
 
   /**
@@ -886,6 +1088,8 @@ export class GatewayClient {
         streams: new Map(), // stream id -> {id, type, turnId, text, pos}: answers being written
         resyncing: false, // a stream skipped a position: a fresh snapshot is on its way
         tree: new ConversationTree(), // nodes, head, active path
+        create: true, // false: subscribe with `create: false` (a link must not create)
+        running: false, // a turn runs: tokens are expected (the heartbeat listens closer)
       };
       this._chats.set(chatId, chat);
     }
@@ -984,13 +1188,15 @@ export class GatewayClient {
    * Subscribe to a chat; resolves with the `subscribed` frame (or null if the app unsubscribed
    * first). `since` (say, after loading history over HTTP) sets the resume point; without it
    * the client picks: drain this connection's buffer, resume from the remembered position,
-   * or start live.
+   * or start live. `create: false`: a conversation that does not exist is not created; the
+   * promise rejects with a GatewayError of code "not_found" (and `error` is emitted).
    * @param {string} chatId
    * @param {SubscribeOptions} [options]
    * @returns {Promise<SubscribedFrame | null>}
    */
   subscribe(chatId, options = {}) {
     const chat = this._chat(chatId);
+    if (options.create !== undefined) chat.create = options.create;
     const since = options.since ?? null;
     if (since) {
       chat.epoch = since.epoch;
@@ -1022,9 +1228,10 @@ export class GatewayClient {
     chat.subReq = id;
     chat.subMode = mode;
     chat.server = "live";
-    /** @type {{type: "subscribe", chat_id: string, id: number, since?: Since}} */
+    /** @type {{type: "subscribe", chat_id: string, id: number, since?: Since, create?: false}} */
     const frame = { type: "subscribe", chat_id: chat.id, id };
     if (since) frame.since = { seq: since.seq, epoch: since.epoch };
+    if (!chat.create) frame.create = false;
     this._pending.set(id, { kind: "subscribe", chatId: chat.id, frame });
     this._send(frame);
   }
@@ -1049,6 +1256,7 @@ export class GatewayClient {
     chat.subReq = null;
     chat.subMode = null;
     chat.snapshot = frame.snapshot ?? null;
+    chat.running = frame.snapshot?.status === "running";
     if (frame.recovered === false || (chat.epoch != null && chat.epoch !== frame.epoch)) {
       // The tree goes with the history: the app reloads both (loadHistory()).
       chat.tree.reset();
@@ -1333,6 +1541,7 @@ export class GatewayClient {
     this._timer = undefined;
     this._hello = frame;
     this._attempt = 0;
+    this._restartAt = 0;
     this._lastClose = null;
     this._startHeartbeat();
     this._setState("open", { connectionId: frame.connection_id });
@@ -1343,6 +1552,18 @@ export class GatewayClient {
       if (chat.want === "live") this._sendSubscribe(chat, null);
     }
     for (const entry of [...this._outbox]) this._sendEntry(entry);
+    if (this._wasOpen) {
+      // The feed is not replayed: what changed while away is told by a list over HTTP. The
+      // feed is live by the reply to this ping (protocol.md), so a list asked for after it
+      // misses nothing.
+      const id = this._nextId++;
+      this._pending.set(id, {
+        kind: "ping",
+        resolve: (pong) => { if (pong) this._emit("feed_gap", { connectionId: frame.connection_id }); },
+      });
+      this._send({ type: "ping", id });
+    }
+    this._wasOpen = true;
   }
 
   /** @param {AckFrame} frame */
@@ -1465,6 +1686,8 @@ export class GatewayClient {
       }
     }
     chat.seq = frame.seq;
+    if (frame.type === "turn_start") chat.running = true;
+    else if (frame.type === "turn_end") chat.running = false;
     const moved = chat.tree.apply(frame);
     const committed = frame.data?.stream_id;
     if (typeof committed === "string" && chat.streams.delete(committed)) {

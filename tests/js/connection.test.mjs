@@ -6,7 +6,7 @@ import { test } from "node:test";
 import {
   backoffDelay, GatewayError, TERMINAL_CLOSE_CODES,
 } from "../../gateway/static/gateway-client.js";
-import { FakeGateway, makeClient, setup, sleep, until } from "./fake-server.mjs";
+import { FakeGateway, makeClient, roundTrip, setup, sleep, until } from "./fake-server.mjs";
 
 /** Record the client's "closed" events; resolve `next()` with the next one. */
 function closes(client) {
@@ -73,7 +73,9 @@ test("backoff is exponential with full jitter, reset by a hello", async (t) => {
     assert.ok(d >= 0 && d < 2000 && Number.isInteger(d), "defaults: 500 ms doubled: " + d);
   }
 
-  const { server, client } = await setup(t, { initialDelay: 100, maxDelay: 1000, random: () => 0.5 });
+  const { server, client } = await setup(t, {
+    initialDelay: 100, maxDelay: 1000, reconnectJitter: 30, random: () => 0.5,
+  });
   const delays = [];
   client.on("state", (s) => { if (s.state === "reconnecting") delays.push(s.delay); });
   client.connect();
@@ -83,10 +85,14 @@ test("backoff is exponential with full jitter, reset by a hello", async (t) => {
   }
   await until(() => delays.length === 4, "four waits");
   assert.deepEqual(delays, [50, 100, 200, 400], "grows");
-  const conn = await server.accept(client, 5);
+  let conn = await server.accept(client, 5);
   conn.drop(1006);
   await until(() => delays.length === 5, "a fifth wait");
-  assert.equal(delays[4], 50, "reset after a successful hello");
+  assert.equal(delays[4], 15, "an open socket lost: back at once, within reconnectJitter");
+  conn = await server.connection(6);
+  conn.drop(1006); // that attempt failed: the backoff again, from its start
+  await until(() => delays.length === 6, "a sixth wait");
+  assert.equal(delays[5], 100, "then a failure backs off");
 });
 
 test("busy close codes (4029, 1013) wait at least initialDelay", async (t) => {
@@ -106,8 +112,8 @@ test("a silent socket is dropped after idlePing + pongTimeout and replaced", asy
   });
   const closed = closes(client);
   client.connect();
+  const opened = Date.now(); // before the hello: the client hears it later, never earlier
   const conn = await server.accept(client, 1);
-  const opened = Date.now();
   const ping = await conn.next("ping", 2000);
   assert.equal(typeof ping.id, "number");
   assert.deepEqual(await closed.next("the watchdog"), { code: 1006, reason: "no answer to ping", terminal: false });
@@ -263,4 +269,78 @@ test("offline drops the socket at once; online reconnects at once", async (t) =>
   events.length = 0;
   globalThis.dispatchEvent(new Event("offline"));
   assert.deepEqual(events, [], "close() removed the listeners");
+});
+
+test("after a 1012 the first reconnect goes out at once, within reconnectJitter", async (t) => {
+  let r = 0.25;
+  const { server, client } = await setup(t, {
+    initialDelay: 100, maxDelay: 1000, reconnectJitter: 400, random: () => r,
+  });
+  const waits = [];
+  client.on("state", (s) => { if (s.state === "reconnecting") waits.push([s.code, s.attempt, s.delay]); });
+  client.connect();
+  (await server.accept(client, 1)).drop(1012, "server restarting");
+  await server.connection(2);
+  assert.deepEqual(waits, [[1012, 1, 100]], "the real wait: 0.25 of 400 ms");
+  r = 0.999;
+  (await server.connection(2)).drop(1006); // the gateway is not back yet
+  (await server.connection(3)).drop(1006);
+  await server.connection(4);
+  assert.deepEqual(waits.slice(1), [[1006, 2, 199], [1006, 3, 399]], "failures back off");
+});
+
+test("while an answer streams, silence is noticed within activePing + activePongTimeout", async (t) => {
+  const { server, client } = await setup(t, {
+    server: { answerPings: false }, idlePing: 60_000, pongTimeout: 60_000,
+    activePing: 150, activePongTimeout: 150,
+  });
+  const closed = closes(client);
+  client.connect();
+  const conn = await server.accept(client, 1);
+  client.subscribe("c1");
+  const req = await conn.next("subscribe");
+  conn.subscribed(req);
+  await sleep(400);
+  assert.equal(conn.of("ping").length, 0, "idle: the long idlePing applies");
+  // A delta opens a stream: tokens are expected now.
+  conn.push({ type: "delta", chat_id: "c1", seq: null, ts: 1, stream: { id: "s1", pos: 0 }, data: { text: "Hi" } });
+  const sent = Date.now();
+  await conn.next("ping", 2000);
+  assert.deepEqual(await closed.next("the watchdog"), { code: 1006, reason: "no answer to ping", terminal: false });
+  const took = Date.now() - sent;
+  assert.ok(took >= 300 && took < 1500, "noticed after activePing + activePongTimeout: " + took + " ms");
+});
+
+test("a running turn counts as active; its turn_end makes the connection idle again", async (t) => {
+  const { server, client } = await setup(t, { idlePing: 60_000, activePing: 100, activePongTimeout: 5000 });
+  client.connect();
+  const conn = await server.accept(client, 1);
+  client.subscribe("c1");
+  conn.subscribed(await conn.next("subscribe"), {
+    snapshot: { title: null, status: "running", turn_id: "t1", started_at: 1, goal_state: null },
+  });
+  await conn.next("ping", 2000);
+  conn.push({ type: "turn_end", chat_id: "c1", seq: 1, ts: 1, data: { turn_id: "t1", reason: "complete" } });
+  await roundTrip(client);
+  const pings = conn.of("ping").length;
+  await sleep(400);
+  assert.equal(conn.of("ping").length, pings, "idle again");
+});
+
+test("after a 1012 failed attempts keep to restartMaxDelay; other drops grow to maxDelay", async (t) => {
+  const { server, client } = await setup(t, {
+    initialDelay: 10, maxDelay: 400, restartMaxDelay: 40, reconnectJitter: 10, random: () => 0.999,
+  });
+  const waits = [];
+  client.on("state", (s) => { if (s.state === "reconnecting") waits.push(s.delay); });
+  client.connect();
+  (await server.accept(client, 1)).drop(1012, "server restarting");
+  for (let n = 2; n <= 6; n++) (await server.connection(n)).drop(1006); // still restarting
+  let conn = await server.accept(client, 7);
+  assert.deepEqual(waits, [9, 19, 39, 39, 39, 39], "capped at 40 ms while the gateway restarts");
+  waits.length = 0;
+  conn.drop(1006); // a plain drop: the full backoff
+  for (let n = 8; n <= 12; n++) (await server.connection(n)).drop(1006);
+  await server.connection(13);
+  assert.deepEqual(waits, [9, 19, 39, 79, 159, 319]);
 });

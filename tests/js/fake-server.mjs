@@ -4,6 +4,7 @@
 // `ws` as its WebSocket.
 
 import { once } from "node:events";
+import { createServer } from "node:http";
 import { setTimeout as sleep } from "node:timers/promises";
 import { WebSocket, WebSocketServer } from "ws";
 
@@ -41,7 +42,9 @@ export class FakeConnection {
     this.index = server.connections.length + 1;
     this.id = "conn-" + this.index;
     this.path = req.url; // "/v1/ws?token=..."
-    this.token = new URL(req.url, "http://gateway.test").searchParams.get("token");
+    const query = new URL(req.url, "http://gateway.test").searchParams;
+    this.token = query.get("token");
+    this.ticket = query.get("ticket");
     this.protocol = ws.protocol; // the subprotocol the server selected
     this.received = []; // every frame the client sent, parsed, in order
     this._taken = new Map(); // type -> how many of its frames next() returned
@@ -115,21 +118,46 @@ export class FakeGateway {
   /** Listen on a free port of 127.0.0.1. `answerPings: false`: a gateway that went silent. */
   static async start({ answerPings = true } = {}) {
     const server = new FakeGateway(answerPings);
-    await once(server.wss, "listening");
+    server.http.listen(0, "127.0.0.1");
+    await once(server.http, "listening");
     return server;
   }
 
   constructor(answerPings) {
     this.answerPings = answerPings;
     this.connections = [];
+    // The HTTP side: every request recorded as {method, url, authorization}; `onHttp(req)`
+    // answers it ({status, body}, or null to never answer); by default a ticket for
+    // `POST /v1/ws-ticket` with a bearer token, and 404 otherwise.
+    this.requests = [];
+    this.tickets = []; // every ticket issued, in order
+    this.onHttp = (req) => this.defaultHttp(req);
+    this.http = createServer((req, res) => {
+      const entry = { method: req.method, url: req.url, authorization: req.headers.authorization ?? null };
+      this.requests.push(entry);
+      const reply = this.onHttp(entry);
+      if (!reply) return; // a request that never completes (a dead keep-alive connection)
+      res.writeHead(reply.status, { "content-type": "application/json" });
+      res.end(reply.body === undefined ? "" : JSON.stringify(reply.body));
+    });
     this.wss = new WebSocketServer({
-      host: "127.0.0.1", port: 0, perMessageDeflate: false,
+      server: this.http, perMessageDeflate: false,
       handleProtocols: (protocols) => (protocols.has(JSON_SUBPROTOCOL) ? JSON_SUBPROTOCOL : false),
     });
     this.wss.on("connection", (ws, req) => this.connections.push(new FakeConnection(this, ws, req)));
   }
 
-  get url() { return `ws://127.0.0.1:${this.wss.address().port}/v1/ws`; }
+  defaultHttp({ method, url, authorization }) {
+    if (method === "POST" && url === "/v1/ws-ticket" && authorization?.startsWith("Bearer ")) {
+      const ticket = "tk" + (this.tickets.length + 1);
+      this.tickets.push({ ticket, token: authorization.slice(7) });
+      return { status: 200, body: { ticket, expires_in: 30 } };
+    }
+    return { status: 404, body: { error: { code: "not_found", message: "no such route" } } };
+  }
+
+  get port() { return this.http.address().port; }
+  get url() { return `ws://127.0.0.1:${this.port}/v1/ws`; }
   get latest() { return this.connections.at(-1); }
 
   /** Wait until the client opened its n-th connection; return it. */
@@ -149,6 +177,8 @@ export class FakeGateway {
   async close() {
     for (const conn of this.connections) conn.ws.terminate();
     await new Promise((resolve) => this.wss.close(resolve));
+    this.http.closeAllConnections();
+    await new Promise((resolve) => this.http.close(resolve));
   }
 }
 
@@ -158,7 +188,7 @@ export class FakeGateway {
  */
 export function makeClient(server, options = {}) {
   return new GatewayClient({
-    url: server.url, token: "tok", WebSocket: NodeWebSocket,
+    url: server.url, token: "tok", WebSocket: NodeWebSocket, useTicket: false,
     initialDelay: 4, maxDelay: 20, rateLimitRetry: 5, ...options,
   });
 }

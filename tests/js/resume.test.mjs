@@ -130,3 +130,27 @@ test("a deleted conversation ends its subscription", async (t) => {
   assert.deepEqual(client.subscriptions, []);
   assert.equal(client.position("c1"), null, "resume point forgotten");
 });
+
+test("subscribe with create: false sends it, and a missing chat rejects with not_found", async (t) => {
+  const { server, client } = await setup(t);
+  const errors = [];
+  client.on("error", (f) => errors.push(f.code + ":" + f.chat_id));
+  client.connect();
+  const conn = await server.accept(client, 1);
+  const missing = client.subscribe("nope", { create: false });
+  const req = await conn.next("subscribe");
+  assert.deepEqual(req, { type: "subscribe", chat_id: "nope", id: req.id, create: false });
+  conn.push({ type: "error", code: "not_found", message: "conversation 'nope' does not exist", id: req.id, chat_id: "nope" });
+  await assert.rejects(missing, (e) => e.code === "not_found");
+  assert.deepEqual(errors, ["not_found:nope"]);
+  assert.deepEqual(client.subscriptions, [], "forgotten");
+  // The default creates (no field), and create: false sticks for the chat's resubscribes.
+  client.subscribe("new");
+  assert.equal("create" in (await conn.next("subscribe")), false);
+  client.subscribe("old", { create: false });
+  conn.subscribed(await conn.next("subscribe"));
+  conn.drop(1006);
+  const again = await server.accept(client, 2);
+  const resubs = [await again.next("subscribe"), await again.next("subscribe")];
+  assert.deepEqual(resubs.map((f) => [f.chat_id, f.create]), [["new", undefined], ["old", false]]);
+});
