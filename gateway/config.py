@@ -45,6 +45,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     buffer_ttl: float = 900.0
     queue_max_bytes: int = 1 << 20  # outbound bytes per connection before 4008
     idempotency_ttl: int = 86_400  # seconds a message/publish dedupe result is kept
+    list_scan: int = 1000  # list entries one conversation-list request reads, at most
 
     max_frame_bytes: int = 64 * 1024
     max_text_bytes: int = 32 * 1024
@@ -102,7 +103,8 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
         raise ConfigError(str(exc)) from None
     for name in ("replay_limit", "buffer_max_frames", "buffer_max_bytes", "queue_max_bytes",
                  "max_frame_bytes", "max_subscriptions", "max_connections_per_user",
-                 "inbox_partitions", "stream_max_bytes", "redis_timeout", "wait_timeout_ms"):
+                 "inbox_partitions", "stream_max_bytes", "redis_timeout", "wait_timeout_ms",
+                 "list_scan"):
         if not getattr(settings, name) > 0:  # NaN too
             raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
     if not 0 <= settings.metrics_port <= 65535 or settings.metrics_port == settings.port:

@@ -18,6 +18,7 @@ from ..errors import Rejected
 from .keys import (
     children_key,
     idem_key,
+    index_key,
     log_key,
     meta_key,
     room_channel,
@@ -327,3 +328,26 @@ class TreeScript:
             key=lambda n: n.seq)
         return Tree(head=r.head or None, nodes=nodes,
                     roots=[c for c in root.c.split(",") if c], last_root=root.l or None)
+
+
+class _ListReply(msgspec.Struct, frozen=True):
+    rows: list[tuple[str, str]] = []
+
+
+class ListScript:
+    """``list.lua``: a run of a user's conversation list after a place in its walk."""
+
+    def __init__(self) -> None:
+        self.script = load("list.lua")
+        self._decode = msgspec.json.Decoder(_ListReply).decode
+
+    def call(self, user_id: str, place: tuple[int, str] | None, low: int | None,
+             count: int) -> Call:
+        """The entries after ``place`` (score, chat id; None: from the top) with scores
+        of at least ``low``."""
+        at, after = ("", "") if place is None else (str(place[0]), place[1])
+        return self.script, [index_key(user_id)], [
+            at, after, "-inf" if low is None else low, count]
+
+    def decode(self, reply: bytes) -> list[tuple[str, int]]:
+        return [(chat, int(float(score))) for chat, score in self._decode(reply).rows]

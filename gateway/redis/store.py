@@ -21,6 +21,7 @@ from ..errors import Rejected
 from .backend import Backend
 from .counters import REDIS
 from .keys import children_key, feed_channel, index_key, meta_key
+from .listing import ListFilter, Place
 from .pipeline import AutoPipeline
 from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
 from .scripts import (
@@ -28,6 +29,7 @@ from .scripts import (
     Deleted,
     DeleteScript,
     HistoryScript,
+    ListScript,
     PublishScript,
     ReadScript,
     Refused,
@@ -93,6 +95,7 @@ class Store:
         self._rotate = RotateScript()
         self._path = HistoryScript()
         self._tree = TreeScript()
+        self._list = ListScript()
         self._streamed = frozenset(settings.stream_types)
 
     async def publish(
@@ -156,6 +159,8 @@ class Store:
         conversation's, so they cannot join its script: only list-visible changes pay this
         second write (one round trip: both go out in the same batch)."""
         command, *args = list_change
+        if command == "ZADD":  # a late, older change never moves it back: list walks rely on it
+            args = ["GT", *args]
         await asyncio.gather(self.pipeline.execute(command, index_key(owner), *args),
                              self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
 
@@ -284,42 +289,58 @@ class Store:
         return moved
 
     async def conversations(
-        self, user_id: str, before: int | None, limit: int
-    ) -> tuple[list[tuple[str, Meta]], int | None]:
-        """The user's conversations, newest change first, strictly older than ``before``,
-        and the cursor of the next page (None after the last one).
+        self, user_id: str, cursor: Place | None, limit: int, wanted: ListFilter | None = None
+    ) -> tuple[list[tuple[str, Meta]], Place | None]:
+        """Up to ``limit`` of the user's conversations that ``wanted`` keeps, in the walk's
+        order (:mod:`.listing`) after ``cursor``, and the place to go on from (None when
+        the walk is over).
 
-        The cursor is the last row's change time (its score, not ``updated_at``, which
-        events that do not reorder the list also move). A page never splits conversations
-        changed in the same millisecond, so it may hold more than ``limit``: the next page
-        starts strictly older and would skip the rest of them.
+        A request reads at most ``GATEWAY_LIST_SCAN`` entries of the list: a filter that
+        passes over them all returns fewer than ``limit``, or none, with the place it
+        reached. Entries are read in runs, each run's meta hashes in one batch.
         """
-        key = index_key(user_id)
-        top = f"({before}" if before is not None else "+inf"
-        rows: list[Any] = await self.redis.zrevrangebyscore(
-            key, top, "-inf", start=0, num=limit + 1, withscores=True
-        )
-        next_cursor = None
-        if len(rows) > limit:
-            last = rows[limit - 1][1]
-            if rows[limit][1] == last:
-                tied: list[Any] = await self.redis.zrevrangebyscore(key, last, last)
-                rows = [r for r in rows[:limit] if r[1] != last] + [(c, last) for c in tied]
-                if await self.redis.zcount(key, "-inf", f"({int(last)}"):
-                    next_cursor = int(last)
-            else:
-                rows = rows[:limit]
-                next_cursor = int(last)
-        if not rows:
-            return [], None
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for chat, _ in rows:
-                pipe.hgetall(meta_key(chat.decode()))
-            metas = await pipe.execute()
-        found = []
-        for (chat, _), raw in zip(rows, metas, strict=True):
-            meta = Meta.from_fields(_text_fields(raw))
-            if meta is not None:
-                found.append((chat.decode(), meta))
-        return found, next_cursor
+        wanted = wanted or ListFilter()
+        place, low = wanted.start(cursor), wanted.low
+        run = max(limit + 1, 100) if wanted.selective else limit + 1
+        fetch = ListFilter.FIELDS if wanted.selective else None
+        found: list[tuple[str, dict[str, str]]] = []
+        scanned = 0
+        while True:
+            want = min(run, self.settings.list_scan - scanned)
+            rows = self._list.decode(await self.pipeline.evalsha(
+                *self._list.call(user_id, place, low, want)))
+            fields = await asyncio.gather(*(self._meta_fields(chat, fetch) for chat, _ in rows))
+            for i, ((chat, score), got) in enumerate(zip(rows, fields, strict=True)):
+                place = Place(score, chat)
+                if wanted.matches(got):
+                    found.append((chat, got))
+                    if len(found) == limit:  # done; the walk goes on unless nothing followed
+                        more = i + 1 < len(rows) or len(rows) == want
+                        return await self._listed(found, wanted, fetch), place if more else None
+            scanned += len(rows)
+            if len(rows) < want:
+                return await self._listed(found, wanted, fetch), None
+            if scanned >= self.settings.list_scan:
+                return await self._listed(found, wanted, fetch), place
 
+    async def _meta_fields(self, chat_id: str, fields: tuple[str, ...] | None) -> dict[str, str]:
+        """The conversation's meta hash, or only ``fields`` of it, as text ({} if gone)."""
+        if fields is None:
+            return _text_fields(await self.pipeline.execute("HGETALL", meta_key(chat_id)))
+        values = await self.pipeline.execute("HMGET", meta_key(chat_id), *fields)
+        return {k: v.decode() for k, v in zip(fields, values, strict=True) if v is not None}
+
+    async def _listed(self, found: list[tuple[str, dict[str, str]]], wanted: ListFilter,
+                      fetched: tuple[str, ...] | None) -> list[tuple[str, Meta]]:
+        """The kept conversations' states; when only some fields were read, the whole
+        hashes now, each checked again (one that changed in between no longer fits)."""
+        if fetched is not None:
+            whole = await asyncio.gather(*(self._meta_fields(chat, None) for chat, _ in found))
+            found = [(chat, got) for (chat, _), got in zip(found, whole, strict=True)
+                     if wanted.matches(got)]
+        listed = []
+        for chat, got in found:
+            meta = Meta.from_fields(got)
+            if meta is not None:
+                listed.append((chat, meta))
+        return listed
