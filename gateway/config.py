@@ -38,6 +38,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     wait_timeout_ms: int = 1000
 
     turn_timeout: float = 300.0  # seconds before the gateway ends a silent turn
+    # Seconds a conversation may go untouched (nothing stored, no turn running) before it
+    # is deleted (gateway/retention.py); 0: kept forever.
+    conversation_ttl: float = 0.0
     history_maxlen: int = 10_000  # stream entries kept per conversation (approximate trim)
     replay_limit: int = 1000  # most events one subscribe may replay
     buffer_max_frames: int = 1000
@@ -110,6 +113,8 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
     if not 0 <= settings.metrics_port <= 65535 or settings.metrics_port == settings.port:
         raise ConfigError(f"{_ENV_PREFIX}METRICS_PORT must be a port other than "
                           f"{_ENV_PREFIX}PORT, or 0")
+    if not 0 <= settings.conversation_ttl < 10**12:  # NaN and inf too
+        raise ConfigError(f"{_ENV_PREFIX}CONVERSATION_TTL must be 0 (off) or seconds")
     if settings.wait_replicas < 0:
         raise ConfigError(f"{_ENV_PREFIX}WAIT_REPLICAS must not be negative")
     for kind in settings.stream_types:

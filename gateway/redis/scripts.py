@@ -202,6 +202,7 @@ class Deleted(msgspec.Struct, frozen=True):
     feed: str | None = None  # the feed frame that tells the owner's devices
     parent: str = ""  # a sub-conversation's parent
     children: list[str] = []  # the sub-conversations it had (the store deletes them)
+    kept: int | None = None  # retention kept it: when (ms) it could expire next
 
 
 class DeleteScript:
@@ -212,9 +213,9 @@ class DeleteScript:
         self._settings = settings
         self._decode = msgspec.json.Decoder(Deleted).decode
 
-    def call(self, chat_id: str) -> Call:
+    def call(self, chat_id: str, untouched_ms: int = 0) -> Call:
         return self.script, _conversation_keys(chat_id, self._settings), [
-            room_channel(chat_id), chat_id]
+            room_channel(chat_id), chat_id, untouched_ms]
 
     def decode(self, reply: bytes) -> Deleted:
         deleted: Deleted = self._decode(reply)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from time import perf_counter
+from time import perf_counter, time
 from typing import Any
 
 import msgspec
@@ -20,7 +20,15 @@ from ..config import Settings
 from ..errors import Rejected
 from .backend import Backend
 from .counters import REDIS
-from .keys import children_key, feed_channel, index_key, meta_key
+from .keys import (
+    EXPIRY_BUCKETS,
+    children_key,
+    expiry_bucket,
+    expiry_key,
+    feed_channel,
+    index_key,
+    meta_key,
+)
 from .listing import ListFilter, Place
 from .pipeline import AutoPipeline
 from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
@@ -157,11 +165,14 @@ class Store:
         """Change the owner's conversation list (``ZADD``/``ZREM`` and its arguments) and
         announce ``feed`` on the owner's feed. Both live in the owner's slot, not the
         conversation's, so they cannot join its script: only list-visible changes pay this
-        second write (one round trip: both go out in the same batch)."""
+        second write (one round trip: both go out in the same batch). The same change goes
+        to the conversation's retention bucket (:mod:`gateway.retention`), in that batch."""
         command, *args = list_change
         if command == "ZADD":  # a late, older change never moves it back: list walks rely on it
             args = ["GT", *args]
         await asyncio.gather(self.pipeline.execute(command, index_key(owner), *args),
+                             self.pipeline.execute(command, expiry_key(expiry_bucket(args[-1])),
+                                                   *args),
                              self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
 
     async def read(self, chat_id: str, after: int | None, limit: int,
@@ -208,10 +219,12 @@ class Store:
             await self.pipeline.execute("ZREM", children_key(deleted.parent), chat_id)
         return deleted.owner
 
-    async def _delete_family(self, chat_id: str) -> Deleted:
-        first = await self._child_ids(chat_id)
+    async def _delete_family(self, chat_id: str, untouched_ms: int = 0) -> Deleted:
+        # Retention decides on the parent first: then its children follow it.
+        first = [] if untouched_ms else await self._child_ids(chat_id)
         await asyncio.gather(*(self._delete_family(child) for child in first))
-        reply, replicas = await self.pipeline.evalsha_durable(*self._delete.call(chat_id))
+        reply, replicas = await self.pipeline.evalsha_durable(
+            *self._delete.call(chat_id, untouched_ms))
         deleted = self._delete.decode(reply)
         if deleted.owner is not None and deleted.feed is not None:
             await self._tell_owner(deleted.owner, deleted.feed, "ZREM", chat_id)
@@ -219,6 +232,29 @@ class Store:
         late = set(deleted.children) - set(first)
         await asyncio.gather(*(self._delete_family(child) for child in late))
         return deleted
+
+    async def expire(self, chat_id: str, untouched_ms: int) -> str | None:
+        """Retention: delete a conversation and its sub-conversations if nothing was stored
+        in it for ``untouched_ms`` and no turn runs in it (its delete script decides,
+        atomically) or in a child; returns its former owner. Else None, and its retention
+        entry moves to when it could expire (ZADD XX: unless it was deleted meanwhile), or
+        goes if the conversation is gone (a deletion whose list change was lost).
+
+        The parent goes first, then its children: a crash in between leaves children
+        without a parent, which expire on their own.
+        """
+        bucket = expiry_key(expiry_bucket(chat_id))
+        if any(meta.status == "running" for _, meta in await self.children(chat_id)):
+            await self.pipeline.execute("ZADD", bucket, "XX", "GT", int(time() * 1000), chat_id)
+            return None
+        deleted = await self._delete_family(chat_id, untouched_ms)
+        if deleted.kept is not None:
+            await self.pipeline.execute("ZADD", bucket, "XX", "GT", deleted.kept, chat_id)
+        elif deleted.owner is None:
+            await self.pipeline.execute("ZREM", bucket, chat_id)
+        elif deleted.parent:  # an expired child: its parent stops listing it
+            await self.pipeline.execute("ZREM", children_key(deleted.parent), chat_id)
+        return deleted.owner
 
     async def _child_ids(self, chat_id: str) -> list[str]:
         ids: list[bytes] = await self.pipeline.execute("ZRANGE", children_key(chat_id), 0, -1)
@@ -272,6 +308,15 @@ class Store:
             if exc.code in ("not_found", "forbidden"):  # the parent went meanwhile
                 await self.delete(chat_id)
             raise
+
+    async def expiring(self, before: int, per_bucket: int) -> list[str]:
+        """Conversations whose last list change is older than ``before`` (ms): the oldest
+        ``per_bucket`` of each retention bucket, all read in one batch."""
+        replies = await asyncio.gather(*(
+            self.pipeline.execute("ZRANGEBYSCORE", expiry_key(bucket), "-inf", f"({before}",
+                                  "LIMIT", 0, per_bucket)
+            for bucket in range(EXPIRY_BUCKETS)))
+        return [chat.decode() for reply in replies for chat in reply]
 
     async def migrate_lists(self) -> int:
         """Move conversation lists kept under the layout before per-user hash tags

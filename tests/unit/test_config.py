@@ -92,6 +92,14 @@ def test_a_timeout_that_is_not_a_number_is_refused() -> None:
         load_settings({"GATEWAY_REDIS_TIMEOUT": "nan"})
 
 
+@pytest.mark.parametrize("raw", ["-1", "nan", "inf"])
+def test_a_conversation_ttl_is_off_or_seconds(raw: str) -> None:
+    assert load_settings({}).conversation_ttl == 0
+    assert load_settings({"GATEWAY_CONVERSATION_TTL": "86400"}).conversation_ttl == 86400
+    with pytest.raises(ConfigError, match=r"^GATEWAY_CONVERSATION_TTL must be 0 \(off\)"):
+        load_settings({"GATEWAY_CONVERSATION_TTL": raw})
+
+
 def test_wait_replicas_may_be_zero_but_not_negative() -> None:
     assert load_settings({"GATEWAY_WAIT_REPLICAS": "0"}).wait_replicas == 0
     assert load_settings({"GATEWAY_WAIT_REPLICAS": "2"}).wait_replicas == 2
