@@ -88,7 +88,6 @@ async def test_each_filter(gateway: GatewayProcess, user: str, redis_url: str) -
     chats = {name: f"{name}-{uuid.uuid4().hex[:8]}" for name in ("a", "b", "c", "kid")}
     await create(gateway, user, chats["a"], "Trip to Lisbon")
     await create(gateway, user, chats["b"], "groceries")
-    middle = await server_ms(redis_url)
     await create(gateway, user, chats["c"], "LISBON hotels")
     await create(gateway, user, chats["kid"], "lisbon sub-task")
     client = aioredis.from_url(redis_url)
@@ -112,12 +111,15 @@ async def test_each_filter(gateway: GatewayProcess, user: str, redis_url: str) -
     assert await ids(q="lisBON") == [c, a]
     assert await ids(q="lisbon", include_children="true") == [kid, c, a]
     assert await ids(q="nowhere") == []
-    assert await ids(updated_after=middle) == [b, c]
-    assert await ids(updated_before=middle + 1) == [a]
-    assert await ids(updated_after=middle, q="lisbon", status="idle") == [c]
-    assert await ids(updated_after=middle, updated_before=middle) == []
-    rows = (await listing(gateway, user, status="running")).json()["conversations"]
-    assert rows[0]["status"] == "running" and rows[0]["title"] == "groceries"
+    # Each one's last change is its list time here (created and named, or its turn began).
+    rows = (await listing(gateway, user, include_children="true")).json()["conversations"]
+    at = {row["chat_id"]: row["updated_at"] for row in rows}
+    assert await ids(updated_after=at[c] - 1) == [x for x in (b, c, a) if at[x] >= at[c]]
+    assert await ids(updated_before=at[c]) == [x for x in (b, c, a) if at[x] < at[c]]
+    assert await ids(updated_after=at[c] - 1, q="lisbon", status="idle") == [c]
+    assert await ids(updated_after=at[c], updated_before=at[c]) == []
+    running = (await listing(gateway, user, status="running")).json()["conversations"]
+    assert running[0]["status"] == "running" and running[0]["title"] == "groceries"
 
 
 @pytest.mark.parametrize(("query", "named"), [
