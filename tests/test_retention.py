@@ -1,7 +1,8 @@
 """GATEWAY_CONVERSATION_TTL: untouched conversations are deleted, once, whoever sweeps.
 
 Two gateway processes sweep one server of the module's own (a sweeper deletes every old
-conversation it finds: on the shared server it would take other tests' ones). Subscribers
+conversation it finds: on the shared server it would take other tests' ones); the
+in-process sweepers get a server of their own each test, which no gateway sweeps. Subscribers
 on both get one ``deleted`` per conversation, the owner's feed one deletion, and the
 processes' counts add up to the conversations deleted; a running turn keeps its
 conversation until it ends. In-process: two sweepers racing over the same conversations,
@@ -149,10 +150,20 @@ async def test_untouched_ones_go_once_and_a_running_turn_waits(
 
 
 @pytest.fixture
-async def stores(own_redis: str) -> AsyncIterator[list[Store]]:
+def quiet_redis(tmp_path: Path) -> Iterator[str]:
+    """A server no gateway sweeps: the in-process sweepers below are the only ones."""
+    server = EmbeddedRedis(tmp_path / "redis", persistent=False)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def stores(quiet_redis: str) -> AsyncIterator[list[Store]]:
     """Two stores with clients of their own, as two processes have."""
-    clients = [aioredis.from_url(own_redis) for _ in range(2)]
-    settings = Settings(redis_url=own_redis, conversation_ttl=60)
+    clients = [aioredis.from_url(quiet_redis) for _ in range(2)]
+    settings = Settings(redis_url=quiet_redis, conversation_ttl=60)
     try:
         yield [Store(Backend.of(client, settings), settings) for client in clients]
     finally:
