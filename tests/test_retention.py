@@ -32,7 +32,7 @@ from gateway.retention import Retention
 
 from .conftest import GatewayProcess, free_port
 from .faults import until
-from .steps import publish, start_turn
+from .steps import children, create, open_child, publish, start_turn
 from .test_metrics import scrape
 from .wsclient import Client, Frame, connect
 
@@ -147,6 +147,44 @@ async def test_untouched_ones_go_once_and_a_running_turn_waits(
     async with httpx.AsyncClient(base_url=b.http) as http:
         listed = (await http.get("/v1/conversations", headers=b.headers(user))).json()
     assert listed["conversations"] == [] and listed["next_cursor"] is None
+
+
+async def test_a_family_goes_together_once_none_of_it_is_touched(
+        sweepers: list[GatewayProcess], user: str) -> None:
+    """A parent whose sub-conversation runs a turn is kept; once nothing in the family was
+    touched for the TTL, parent and child go, each with one ``deleted``."""
+    a, b = sweepers
+    parent, child, later = (f"{kind}-{uuid.uuid4().hex[:8]}"
+                            for kind in ("parent", "child", "later"))
+    await create(a, user, parent)
+    assert (await open_child(a, user, parent, child)).status_code == 201
+    async with connect(a.url(user)) as wa, connect(b.url(user)) as wb:
+        await wa.subscribe(child)
+        await start_turn(wa, child)
+        readers = [Reader(wa), Reader(wb)]
+        try:
+            for ws, chats in ((wa, (later, parent)), (wb, (later, parent, child))):
+                for chat in chats:  # `later` is created by the first
+                    await ws.send({"type": "subscribe", "chat_id": chat})
+            for reader, asked in zip(readers, ((later, parent), (later, parent, child)),
+                                     strict=True):
+                assert await until(lambda r=reader, asked=asked: all(
+                    r.has("subscribed", chat_id=c) for c in asked), 10, "subscribed")
+            for reader in readers:
+                assert await until(lambda r=reader: later in r.deleted(), TTL + 15, "deleted")
+            # Both older than `later`, so looked at in the run that deleted it: kept.
+            assert [c["chat_id"] for c in await children(b, user, parent)] == [child]
+            await publish(b, child, {"type": "turn_end", "data": {"reason": "complete"}})
+            for reader in readers:
+                assert await until(lambda r=reader: {parent, child} <= set(r.deleted()),
+                                   TTL + 15, "the family deleted")
+            for reader in readers:
+                await reader.settle()
+                assert reader.deleted() == {parent: 1, child: 1, later: 1}
+                assert reader.feed_deleted() == {parent: 1, child: 1, later: 1}
+        finally:
+            for reader in readers:
+                await reader.stop()
 
 
 @pytest.fixture

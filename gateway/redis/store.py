@@ -236,16 +236,18 @@ class Store:
     async def expire(self, chat_id: str, untouched_ms: int) -> str | None:
         """Retention: delete a conversation and its sub-conversations if nothing was stored
         in it for ``untouched_ms`` and no turn runs in it (its delete script decides,
-        atomically) or in a child; returns its former owner. Else None, and its retention
-        entry moves to when it could expire (ZADD XX: unless it was deleted meanwhile), or
-        goes if the conversation is gone (a deletion whose list change was lost).
+        atomically), nor in any of theirs (read just before); returns its former owner.
+        Else None, and its retention entry moves to when it could expire (ZADD XX: unless
+        it was deleted meanwhile), or goes if the conversation is gone (a deletion whose
+        list change was lost).
 
         The parent goes first, then its children: a crash in between leaves children
         without a parent, which expire on their own.
         """
         bucket = expiry_key(expiry_bucket(chat_id))
-        if any(meta.status == "running" for _, meta in await self.children(chat_id)):
-            await self.pipeline.execute("ZADD", bucket, "XX", "GT", int(time() * 1000), chat_id)
+        below = await self._descendants_touched(chat_id)
+        if below is not None and below > int(time() * 1000) - untouched_ms:
+            await self.pipeline.execute("ZADD", bucket, "XX", "GT", below, chat_id)
             return None
         deleted = await self._delete_family(chat_id, untouched_ms)
         if deleted.kept is not None:
@@ -255,6 +257,17 @@ class Store:
         elif deleted.parent:  # an expired child: its parent stops listing it
             await self.pipeline.execute("ZREM", children_key(deleted.parent), chat_id)
         return deleted.owner
+
+    async def _descendants_touched(self, chat_id: str) -> int | None:
+        """The last change (ms) among the conversation's sub-conversations, theirs too: now
+        while a turn runs in one; None when it has none."""
+        found = await self.children(chat_id)
+        if not found:
+            return None
+        now = int(time() * 1000)
+        deeper = await asyncio.gather(*(self._descendants_touched(child) for child, _ in found))
+        return max([*(now if meta.status == "running" else meta.updated_at for _, meta in found),
+                    *(d for d in deeper if d is not None)])
 
     async def _child_ids(self, chat_id: str) -> list[str]:
         ids: list[bytes] = await self.pipeline.execute("ZRANGE", children_key(chat_id), 0, -1)
