@@ -23,12 +23,12 @@ import redis.asyncio as aioredis
 
 from gateway.config import Settings
 from gateway.redis.backend import Backend
-from gateway.redis.keys import index_key, meta_key
+from gateway.redis.keys import index_key
 from gateway.redis.listing import ListFilter, Place
 from gateway.redis.store import Store
 
 from .conftest import GatewayProcess
-from .steps import create, start_turn
+from .steps import create, open_child, start_turn
 from .wsclient import connect
 
 pytestmark = pytest.mark.anyio
@@ -84,17 +84,14 @@ def check_walk(seen: list[str], wanted: set[str], touched: set[str]) -> None:
     assert set(seen) <= wanted, f"not wanted: {sorted(set(seen) - wanted)}"
 
 
-async def test_each_filter(gateway: GatewayProcess, user: str, redis_url: str) -> None:
+async def test_each_filter(gateway: GatewayProcess, user: str) -> None:
     chats = {name: f"{name}-{uuid.uuid4().hex[:8]}" for name in ("a", "b", "c", "kid")}
     await create(gateway, user, chats["a"], "Trip to Lisbon")
+    # Its `child` event moves a's updated_at, not its place in the list (not a list change).
+    resp = await open_child(gateway, user, chats["a"], chats["kid"], "lisbon sub-task")
+    assert resp.status_code == 201, resp.text
     await create(gateway, user, chats["b"], "groceries")
     await create(gateway, user, chats["c"], "LISBON hotels")
-    await create(gateway, user, chats["kid"], "lisbon sub-task")
-    client = aioredis.from_url(redis_url)
-    try:  # a sub-conversation as the meta hash marks one
-        await client.hset(meta_key(chats["kid"]), "parent", chats["a"])
-    finally:
-        await client.aclose()
     async with connect(gateway.url(user)) as ws:
         await ws.subscribe(chats["b"])
         await start_turn(ws, chats["b"])
@@ -105,13 +102,14 @@ async def test_each_filter(gateway: GatewayProcess, user: str, redis_url: str) -
 
     a, b, c, kid = chats["a"], chats["b"], chats["c"], chats["kid"]
     assert await ids() == [b, c, a]  # b's turn moved it up; the child is left out
-    assert await ids(include_children="true") == [b, kid, c, a]
+    assert await ids(include_children="true") == [b, c, kid, a]
     assert await ids(status="running") == [b]
     assert await ids(status="idle") == [c, a]
     assert await ids(q="lisBON") == [c, a]
-    assert await ids(q="lisbon", include_children="true") == [kid, c, a]
+    assert await ids(q="lisbon", include_children="true") == [c, kid, a]
     assert await ids(q="nowhere") == []
-    # Each one's last change is its list time here (created and named, or its turn began).
+    # c's and b's last change is their list time (created and named; the turn began), a's is
+    # its child's opening: later than its list time, yet before c was created.
     rows = (await listing(gateway, user, include_children="true")).json()["conversations"]
     at = {row["chat_id"]: row["updated_at"] for row in rows}
     assert await ids(updated_after=at[c] - 1) == [x for x in (b, c, a) if at[x] >= at[c]]
