@@ -27,6 +27,7 @@ from .auth import AuthError, Principal, check_access
 from .errors import ErrorBody, ErrorDetail, Rejected
 from .events import TYPED_EVENT, AgentEventType, EventList, PublishBatch, PublishEvent
 from .openapi import Api
+from .redis.listing import CURSOR_PATTERN, ListFilter, Place
 from .redis.records import Meta
 
 if TYPE_CHECKING:
@@ -80,9 +81,28 @@ class Rename(msgspec.Struct, frozen=True):
 # would read "?cursor=null" as None (openapi.py refuses a nullable query parameter).
 
 
-class PageQuery(msgspec.Struct, frozen=True):
+Millis = Annotated[int, msgspec.Meta(ge=0, le=10**15)]
+
+
+class ListQuery(msgspec.Struct, frozen=True):
+    """``GET /v1/conversations``: a page, and the filters (protocol.md, the list)."""
+
     limit: Annotated[int, msgspec.Meta(ge=1, le=200)] = 50
-    cursor: Annotated[int, msgspec.Meta(ge=0)] | UnsetType = UNSET
+    cursor: Annotated[str, msgspec.Meta(pattern=CURSOR_PATTERN)] | UnsetType = UNSET
+    status: Literal["running", "idle"] | UnsetType = UNSET
+    q: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | UnsetType = UNSET
+    updated_after: Millis | UnsetType = UNSET
+    updated_before: Millis | UnsetType = UNSET
+    include_children: bool = False  # conversations with a parent too
+
+    def wanted(self) -> ListFilter:
+        def given(value: T | UnsetType) -> T | None:
+            return None if isinstance(value, UnsetType) else value
+
+        return ListFilter(status=given(self.status), q=given(self.q),
+                          updated_after=given(self.updated_after),
+                          updated_before=given(self.updated_before),
+                          include_children=self.include_children)
 
 
 class HistoryQuery(msgspec.Struct, frozen=True):
@@ -188,7 +208,8 @@ class Children(msgspec.Struct, frozen=True):
 
 class ConversationPage(msgspec.Struct, frozen=True):
     conversations: list[Conversation]
-    next_cursor: int | None  # give it as ?cursor= for the next page; null on the last
+    # Give it as ?cursor= for the next page (it may be short, even empty); null on the last.
+    next_cursor: str | None
 
 
 class Published(msgspec.Struct, frozen=True):
@@ -422,15 +443,20 @@ async def create_conversation(request: Request) -> Response:
 
 @API.operation(
     "GET", "/v1/conversations", summary="The caller's conversations, newest change first",
-    query=PageQuery, reply=ConversationPage, errors=(400, 503),
+    description="Filtered by `status`, `q` (a piece of the title, any case), "
+    "`updated_after`/`updated_before` (ms, exclusive) and `include_children`. A page may "
+    "hold fewer than `limit`, even none: continue from `next_cursor` while it is not null. "
+    "What a walk sees while conversations change: protocol.md.",
+    query=ListQuery, reply=ConversationPage, errors=(400, 503),
 )
 async def list_conversations(request: Request) -> Response:
     who = _principal(request)
-    page = _query(request, PageQuery)
-    cursor = page.cursor if isinstance(page.cursor, int) else None
-    rows, next_cursor = await _gateway(request).store.conversations(who.user_id, cursor,
-                                                                    page.limit)
+    page = _query(request, ListQuery)
+    cursor = None if isinstance(page.cursor, UnsetType) else Place.of_cursor(page.cursor)
+    rows, reached = await _gateway(request).store.conversations(who.user_id, cursor,
+                                                                page.limit, page.wanted())
     items = [Conversation.of(chat_id, meta) for chat_id, meta in rows]
+    next_cursor = reached.cursor() if reached is not None else None
     return JSONResponse(_encode(ConversationPage(items, next_cursor)))
 
 

@@ -38,6 +38,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     wait_timeout_ms: int = 1000
 
     turn_timeout: float = 300.0  # seconds before the gateway ends a silent turn
+    # Seconds a conversation may go untouched (nothing stored, no turn running) before it
+    # is deleted (gateway/retention.py); 0: kept forever.
+    conversation_ttl: float = 0.0
     history_maxlen: int = 10_000  # stream entries kept per conversation (approximate trim)
     replay_limit: int = 1000  # most events one subscribe may replay
     buffer_max_frames: int = 1000
@@ -45,6 +48,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     buffer_ttl: float = 900.0
     queue_max_bytes: int = 1 << 20  # outbound bytes per connection before 4008
     idempotency_ttl: int = 86_400  # seconds a message/publish dedupe result is kept
+    list_scan: int = 1000  # list entries one conversation-list request reads, at most
 
     max_frame_bytes: int = 64 * 1024
     max_text_bytes: int = 32 * 1024
@@ -102,12 +106,15 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
         raise ConfigError(str(exc)) from None
     for name in ("replay_limit", "buffer_max_frames", "buffer_max_bytes", "queue_max_bytes",
                  "max_frame_bytes", "max_subscriptions", "max_connections_per_user",
-                 "inbox_partitions", "stream_max_bytes", "redis_timeout", "wait_timeout_ms"):
+                 "inbox_partitions", "stream_max_bytes", "redis_timeout", "wait_timeout_ms",
+                 "list_scan"):
         if not getattr(settings, name) > 0:  # NaN too
             raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
     if not 0 <= settings.metrics_port <= 65535 or settings.metrics_port == settings.port:
         raise ConfigError(f"{_ENV_PREFIX}METRICS_PORT must be a port other than "
                           f"{_ENV_PREFIX}PORT, or 0")
+    if not 0 <= settings.conversation_ttl < 10**12:  # NaN and inf too
+        raise ConfigError(f"{_ENV_PREFIX}CONVERSATION_TTL must be 0 (off) or seconds")
     if settings.wait_replicas < 0:
         raise ConfigError(f"{_ENV_PREFIX}WAIT_REPLICAS must not be negative")
     for kind in settings.stream_types:

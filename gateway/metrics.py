@@ -38,10 +38,10 @@ PREFIX = "gateway_"
 class Counts:
     """This process's counts outside the Redis layer (see each module for where)."""
 
-    __slots__ = ("agents", "bytes_out", "closed", "connections", "direct", "discarded",
-                 "fanouts", "frames_in", "gap_repairs", "handed", "handoffs_swept",
-                 "history_lost", "opened", "replayed", "replays", "replies", "resyncs",
-                 "sent", "snapshots", "turn_timeouts")
+    __slots__ = ("agents", "bytes_out", "closed", "connections", "conversations_expired",
+                 "direct", "discarded", "fanouts", "frames_in", "gap_repairs", "handed",
+                 "handoffs_swept", "history_lost", "opened", "replayed", "replays", "replies",
+                 "resyncs", "sent", "snapshots", "turn_timeouts")
 
     def __init__(self) -> None:
         self.opened = 0  # WebSocket handshakes (connect.py)
@@ -63,6 +63,7 @@ class Counts:
         self.discarded = 0  # open streams dropped by stream_discarded (rooms.py)
         self.turn_timeouts = 0  # turns the sweeper ended with reason timeout
         self.handoffs_swept = 0  # hand-offs the sweeper did for a gateway that did not
+        self.conversations_expired = 0  # deleted by retention (retention.py)
         self.agents: list[dict[str, int]] = []  # stats of the agent workers in this process
 
 
@@ -251,6 +252,8 @@ def families(gateway: Gateway, sampled: Sampled, tasks: int) -> list[Family]:
                (), [((), r.turn_seconds)]),
         Family("gateway_turn_timeouts", "counter", "Turns ended by the gateway with reason "
                "timeout", (), _one(c.turn_timeouts)),
+        Family("gateway_conversations_expired", "counter", "Conversations this process "
+               "deleted for GATEWAY_CONVERSATION_TTL", (), _one(c.conversations_expired)),
         # resumable answers
         Family("gateway_streams_open", "gauge",
                "Answers streaming in this process's rooms", (), _one(streams)),

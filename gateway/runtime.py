@@ -24,6 +24,7 @@ from .errors import Rejected
 from .hub import Hub
 from .redis.backend import Backend
 from .redis.store import Store
+from .retention import Retention
 from .tickets import Tickets
 
 log = logging.getLogger("gateway")
@@ -68,6 +69,7 @@ class Gateway:
         self.tokens = TokenCache(settings.secret)
         self.sessions: dict[str, set[Connection]] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._retention: asyncio.Task[None] | None = None
         # Each is made once the gateway has started (it may need the backend).
         self.companions: list[Callable[[Gateway], Companion]] = []
         self._running: list[Companion] = []
@@ -83,6 +85,8 @@ class Gateway:
         if moved:
             log.info("moved %d conversation lists to the per-user key layout", moved)
         self._sweeper = asyncio.create_task(self.conversations.run_turn_sweeper())
+        if self.settings.conversation_ttl:
+            self._retention = asyncio.create_task(Retention(self.store, self.settings).run())
         for make in self.companions:
             companion = make(self)
             await companion.start()
@@ -94,6 +98,8 @@ class Gateway:
         self._close_all(SERVER_RESTART, "server restarting")
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._retention is not None:
+            self._retention.cancel()
         for companion in reversed(self._running):
             await companion.stop()
         # Give the close frames a moment to leave before the sockets go.

@@ -25,6 +25,7 @@ from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port
 from .faults import until
 from .steps import children, create, message_and_reply, open_child, publish, send_message
+from .test_retention import Reader
 from .wsclient import Frame, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
@@ -287,6 +288,61 @@ async def running(load: Load, subscriber: GatewayProcess) -> AsyncIterator[Load]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_list_filters_and_retention_on_every_shard(
+        pair: list[GatewayProcess], cluster: ValkeyCluster,
+        gateway_env: dict[str, str]) -> None:
+    """A filtered list walks chats of every shard page by page, through both gateways in
+    turn, while some change; then two sweeping gateways delete each once: every subscriber
+    on either gateway gets one ``deleted`` per chat, the owner's feed one deletion."""
+    a, b = pair
+    user = "u" + uuid.uuid4().hex[:8]
+    chats = [c for group in chats_on_every_shard(cluster, 3).values() for c in group]
+    for n, chat in enumerate(chats):
+        await create(pair[n % 2], user, chat, f"{'Alpha' if n % 2 else 'beta'} {n}")
+    alphas = set(chats[1::2])
+    seen: list[str] = []
+    cursor: str | None = None
+    touched: set[str] = set()
+    for page in range(len(chats) + 1):
+        gw = pair[page % 2]
+        params: dict[str, Any] = {"q": "alpha", "limit": 1}
+        if cursor is not None:
+            params["cursor"] = cursor
+        async with httpx.AsyncClient(base_url=gw.http, headers=gw.headers(user)) as http:
+            body = (await http.get("/v1/conversations", params=params)).json()
+            seen += [c["chat_id"] for c in body["conversations"]]
+            cursor = body["next_cursor"]
+            if cursor is None:
+                break
+            ahead = sorted(alphas - set(seen) - touched)
+            if ahead and page % 2:  # one not reached yet changes: it moves past the walk
+                touched.add(ahead[0])
+                resp = await http.patch(f"/v1/conversations/{ahead[0]}",
+                                        json={"title": "alpha again"})
+                assert resp.status_code == 200, resp.text
+    assert len(seen) == len(set(seen)) and set(seen) <= alphas
+    assert alphas - touched <= set(seen)
+    async with connect(a.url(user)) as on_a, connect(b.url(user)) as on_b:
+        for ws in (on_a, on_b):
+            for chat in chats:
+                await ws.subscribe(chat)
+        readers = [Reader(on_a), Reader(on_b)]
+        sweepers = start_gateways(gateway_env, cluster, conversation_ttl=1)
+        try:
+            for reader in readers:
+                assert await until(lambda r=reader: set(chats) <= set(r.deleted()), 30,
+                                   "deleted")
+            for reader in readers:
+                await reader.settle()
+                assert reader.deleted() == dict.fromkeys(chats, 1)
+                assert reader.feed_deleted() == dict.fromkeys(chats, 1)
+        finally:
+            for gw in sweepers:
+                gw.stop()
+            for reader in readers:
+                await reader.stop()
 
 
 async def test_a_failover_under_load_loses_nothing(

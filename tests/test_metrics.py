@@ -37,8 +37,9 @@ FAMILIES = {
     "gateway_cluster_redirects", "gateway_replica_waits", "gateway_replication_timeouts",
     "gateway_ready", "gateway_inbox_lag", "gateway_inbox_pending", "gateway_turns_running",
     "gateway_inbox_reclaimed", "gateway_handoffs_swept", "gateway_turn_seconds",
-    "gateway_turn_timeouts", "gateway_streams_open", "gateway_streamed_bytes",
-    "gateway_stream_snapshots", "gateway_streams_discarded", "gateway_event_loop_tasks",
+    "gateway_turn_timeouts", "gateway_conversations_expired", "gateway_streams_open",
+    "gateway_streamed_bytes", "gateway_stream_snapshots", "gateway_streams_discarded",
+    "gateway_event_loop_tasks",
 }
 
 

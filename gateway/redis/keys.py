@@ -18,11 +18,19 @@ traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``:
     {u:<user>}:feed      sharded pub/sub channel of a user's conversation feed
     {u:<user>}:convs     sorted set: the user's conversations by last change
     wst:<sha256>         a WebSocket connection ticket: who it stands for (TTL, used once)
+    {x:<n>}:expiry       sorted set n of EXPIRY_BUCKETS: conversations by last list change,
+                         where retention finds old ones (gateway/retention.py)
 
 The agent inbox, turn deadlines and the hand-off outbox are :mod:`.agent_inbox`'s.
 """
 
 from __future__ import annotations
+
+import zlib
+
+# Retention's index is split in this many keys, so that it spreads over a cluster's shards.
+# Fixed: a conversation must always map to the same one.
+EXPIRY_BUCKETS = 16
 
 
 def meta_key(chat_id: str) -> str:
@@ -69,3 +77,12 @@ def ticket_key(digest: str) -> str:
     """A WebSocket connection ticket, by the SHA-256 of the ticket (:mod:`gateway.tickets`):
     the key name alone does not let anyone connect."""
     return f"wst:{digest}"
+
+
+def expiry_bucket(chat_id: str) -> int:
+    """The retention bucket of a conversation (a stable hash: every process agrees)."""
+    return zlib.crc32(chat_id.encode()) % EXPIRY_BUCKETS
+
+
+def expiry_key(bucket: int) -> str:
+    return f"{{x:{bucket}}}:expiry"

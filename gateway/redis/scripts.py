@@ -18,6 +18,7 @@ from ..errors import Rejected
 from .keys import (
     children_key,
     idem_key,
+    index_key,
     log_key,
     meta_key,
     room_channel,
@@ -201,6 +202,7 @@ class Deleted(msgspec.Struct, frozen=True):
     feed: str | None = None  # the feed frame that tells the owner's devices
     parent: str = ""  # a sub-conversation's parent
     children: list[str] = []  # the sub-conversations it had (the store deletes them)
+    kept: int | None = None  # retention kept it: when (ms) it could expire next
 
 
 class DeleteScript:
@@ -211,9 +213,9 @@ class DeleteScript:
         self._settings = settings
         self._decode = msgspec.json.Decoder(Deleted).decode
 
-    def call(self, chat_id: str) -> Call:
+    def call(self, chat_id: str, untouched_ms: int = 0) -> Call:
         return self.script, _conversation_keys(chat_id, self._settings), [
-            room_channel(chat_id), chat_id]
+            room_channel(chat_id), chat_id, untouched_ms]
 
     def decode(self, reply: bytes) -> Deleted:
         deleted: Deleted = self._decode(reply)
@@ -327,3 +329,26 @@ class TreeScript:
             key=lambda n: n.seq)
         return Tree(head=r.head or None, nodes=nodes,
                     roots=[c for c in root.c.split(",") if c], last_root=root.l or None)
+
+
+class _ListReply(msgspec.Struct, frozen=True):
+    rows: list[tuple[str, str]] = []
+
+
+class ListScript:
+    """``list.lua``: a run of a user's conversation list after a place in its walk."""
+
+    def __init__(self) -> None:
+        self.script = load("list.lua")
+        self._decode = msgspec.json.Decoder(_ListReply).decode
+
+    def call(self, user_id: str, place: tuple[int, str] | None, low: int | None,
+             count: int) -> Call:
+        """The entries after ``place`` (score, chat id; None: from the top) with scores
+        of at least ``low``."""
+        at, after = ("", "") if place is None else (str(place[0]), place[1])
+        return self.script, [index_key(user_id)], [
+            at, after, "-inf" if low is None else low, count]
+
+    def decode(self, reply: bytes) -> list[tuple[str, int]]:
+        return [(chat, int(float(score))) for chat, score in self._decode(reply).rows]

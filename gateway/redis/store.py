@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from time import perf_counter
+from time import perf_counter, time
 from typing import Any
 
 import msgspec
@@ -20,7 +20,16 @@ from ..config import Settings
 from ..errors import Rejected
 from .backend import Backend
 from .counters import REDIS
-from .keys import children_key, feed_channel, index_key, meta_key
+from .keys import (
+    EXPIRY_BUCKETS,
+    children_key,
+    expiry_bucket,
+    expiry_key,
+    feed_channel,
+    index_key,
+    meta_key,
+)
+from .listing import ListFilter, Place
 from .pipeline import AutoPipeline
 from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
 from .scripts import (
@@ -28,6 +37,7 @@ from .scripts import (
     Deleted,
     DeleteScript,
     HistoryScript,
+    ListScript,
     PublishScript,
     ReadScript,
     Refused,
@@ -93,6 +103,7 @@ class Store:
         self._rotate = RotateScript()
         self._path = HistoryScript()
         self._tree = TreeScript()
+        self._list = ListScript()
         self._streamed = frozenset(settings.stream_types)
 
     async def publish(
@@ -154,9 +165,14 @@ class Store:
         """Change the owner's conversation list (``ZADD``/``ZREM`` and its arguments) and
         announce ``feed`` on the owner's feed. Both live in the owner's slot, not the
         conversation's, so they cannot join its script: only list-visible changes pay this
-        second write (one round trip: both go out in the same batch)."""
+        second write (one round trip: both go out in the same batch). The same change goes
+        to the conversation's retention bucket (:mod:`gateway.retention`), in that batch."""
         command, *args = list_change
+        if command == "ZADD":  # a late, older change never moves it back: list walks rely on it
+            args = ["GT", *args]
         await asyncio.gather(self.pipeline.execute(command, index_key(owner), *args),
+                             self.pipeline.execute(command, expiry_key(expiry_bucket(args[-1])),
+                                                   *args),
                              self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
 
     async def read(self, chat_id: str, after: int | None, limit: int,
@@ -203,10 +219,12 @@ class Store:
             await self.pipeline.execute("ZREM", children_key(deleted.parent), chat_id)
         return deleted.owner
 
-    async def _delete_family(self, chat_id: str) -> Deleted:
-        first = await self._child_ids(chat_id)
+    async def _delete_family(self, chat_id: str, untouched_ms: int = 0) -> Deleted:
+        # Retention decides on the parent first: then its children follow it.
+        first = [] if untouched_ms else await self._child_ids(chat_id)
         await asyncio.gather(*(self._delete_family(child) for child in first))
-        reply, replicas = await self.pipeline.evalsha_durable(*self._delete.call(chat_id))
+        reply, replicas = await self.pipeline.evalsha_durable(
+            *self._delete.call(chat_id, untouched_ms))
         deleted = self._delete.decode(reply)
         if deleted.owner is not None and deleted.feed is not None:
             await self._tell_owner(deleted.owner, deleted.feed, "ZREM", chat_id)
@@ -214,6 +232,42 @@ class Store:
         late = set(deleted.children) - set(first)
         await asyncio.gather(*(self._delete_family(child) for child in late))
         return deleted
+
+    async def expire(self, chat_id: str, untouched_ms: int) -> str | None:
+        """Retention: delete a conversation and its sub-conversations if nothing was stored
+        in it for ``untouched_ms`` and no turn runs in it (its delete script decides,
+        atomically), nor in any of theirs (read just before); returns its former owner.
+        Else None, and its retention entry moves to when it could expire (ZADD XX: unless
+        it was deleted meanwhile), or goes if the conversation is gone (a deletion whose
+        list change was lost).
+
+        The parent goes first, then its children: a crash in between leaves children
+        without a parent, which expire on their own.
+        """
+        bucket = expiry_key(expiry_bucket(chat_id))
+        below = await self._descendants_touched(chat_id)
+        if below is not None and below > int(time() * 1000) - untouched_ms:
+            await self.pipeline.execute("ZADD", bucket, "XX", "GT", below, chat_id)
+            return None
+        deleted = await self._delete_family(chat_id, untouched_ms)
+        if deleted.kept is not None:
+            await self.pipeline.execute("ZADD", bucket, "XX", "GT", deleted.kept, chat_id)
+        elif deleted.owner is None:
+            await self.pipeline.execute("ZREM", bucket, chat_id)
+        elif deleted.parent:  # an expired child: its parent stops listing it
+            await self.pipeline.execute("ZREM", children_key(deleted.parent), chat_id)
+        return deleted.owner
+
+    async def _descendants_touched(self, chat_id: str) -> int | None:
+        """The last change (ms) among the conversation's sub-conversations, theirs too: now
+        while a turn runs in one; None when it has none."""
+        found = await self.children(chat_id)
+        if not found:
+            return None
+        now = int(time() * 1000)
+        deeper = await asyncio.gather(*(self._descendants_touched(child) for child, _ in found))
+        return max([*(now if meta.status == "running" else meta.updated_at for _, meta in found),
+                    *(d for d in deeper if d is not None)])
 
     async def _child_ids(self, chat_id: str) -> list[str]:
         ids: list[bytes] = await self.pipeline.execute("ZRANGE", children_key(chat_id), 0, -1)
@@ -268,6 +322,15 @@ class Store:
                 await self.delete(chat_id)
             raise
 
+    async def expiring(self, before: int, per_bucket: int) -> list[str]:
+        """Conversations whose last list change is older than ``before`` (ms): the oldest
+        ``per_bucket`` of each retention bucket, all read in one batch."""
+        replies = await asyncio.gather(*(
+            self.pipeline.execute("ZRANGEBYSCORE", expiry_key(bucket), "-inf", f"({before}",
+                                  "LIMIT", 0, per_bucket)
+            for bucket in range(EXPIRY_BUCKETS)))
+        return [chat.decode() for reply in replies for chat in reply]
+
     async def migrate_lists(self) -> int:
         """Move conversation lists kept under the layout before per-user hash tags
         (``convs:<user>``) to ``{u:<user>}:convs``; returns how many moved. Only a single
@@ -284,42 +347,58 @@ class Store:
         return moved
 
     async def conversations(
-        self, user_id: str, before: int | None, limit: int
-    ) -> tuple[list[tuple[str, Meta]], int | None]:
-        """The user's conversations, newest change first, strictly older than ``before``,
-        and the cursor of the next page (None after the last one).
+        self, user_id: str, cursor: Place | None, limit: int, wanted: ListFilter | None = None
+    ) -> tuple[list[tuple[str, Meta]], Place | None]:
+        """Up to ``limit`` of the user's conversations that ``wanted`` keeps, in the walk's
+        order (:mod:`.listing`) after ``cursor``, and the place to go on from (None when
+        the walk is over).
 
-        The cursor is the last row's change time (its score, not ``updated_at``, which
-        events that do not reorder the list also move). A page never splits conversations
-        changed in the same millisecond, so it may hold more than ``limit``: the next page
-        starts strictly older and would skip the rest of them.
+        A request reads at most ``GATEWAY_LIST_SCAN`` entries of the list: a filter that
+        passes over them all returns fewer than ``limit``, or none, with the place it
+        reached. Entries are read in runs, each run's meta hashes in one batch.
         """
-        key = index_key(user_id)
-        top = f"({before}" if before is not None else "+inf"
-        rows: list[Any] = await self.redis.zrevrangebyscore(
-            key, top, "-inf", start=0, num=limit + 1, withscores=True
-        )
-        next_cursor = None
-        if len(rows) > limit:
-            last = rows[limit - 1][1]
-            if rows[limit][1] == last:
-                tied: list[Any] = await self.redis.zrevrangebyscore(key, last, last)
-                rows = [r for r in rows[:limit] if r[1] != last] + [(c, last) for c in tied]
-                if await self.redis.zcount(key, "-inf", f"({int(last)}"):
-                    next_cursor = int(last)
-            else:
-                rows = rows[:limit]
-                next_cursor = int(last)
-        if not rows:
-            return [], None
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for chat, _ in rows:
-                pipe.hgetall(meta_key(chat.decode()))
-            metas = await pipe.execute()
-        found = []
-        for (chat, _), raw in zip(rows, metas, strict=True):
-            meta = Meta.from_fields(_text_fields(raw))
-            if meta is not None:
-                found.append((chat.decode(), meta))
-        return found, next_cursor
+        wanted = wanted or ListFilter()
+        place, low = wanted.start(cursor), wanted.low
+        run = max(limit + 1, 100) if wanted.selective else limit + 1
+        fetch = ListFilter.FIELDS if wanted.selective else None
+        found: list[tuple[str, dict[str, str]]] = []
+        scanned = 0
+        while True:
+            want = min(run, self.settings.list_scan - scanned)
+            rows = self._list.decode(await self.pipeline.evalsha(
+                *self._list.call(user_id, place, low, want)))
+            fields = await asyncio.gather(*(self._meta_fields(chat, fetch) for chat, _ in rows))
+            for i, ((chat, score), got) in enumerate(zip(rows, fields, strict=True)):
+                place = Place(score, chat)
+                if wanted.matches(got):
+                    found.append((chat, got))
+                    if len(found) == limit:  # done; the walk goes on unless nothing followed
+                        more = i + 1 < len(rows) or len(rows) == want
+                        return await self._listed(found, wanted, fetch), place if more else None
+            scanned += len(rows)
+            if len(rows) < want:
+                return await self._listed(found, wanted, fetch), None
+            if scanned >= self.settings.list_scan:
+                return await self._listed(found, wanted, fetch), place
 
+    async def _meta_fields(self, chat_id: str, fields: tuple[str, ...] | None) -> dict[str, str]:
+        """The conversation's meta hash, or only ``fields`` of it, as text ({} if gone)."""
+        if fields is None:
+            return _text_fields(await self.pipeline.execute("HGETALL", meta_key(chat_id)))
+        values = await self.pipeline.execute("HMGET", meta_key(chat_id), *fields)
+        return {k: v.decode() for k, v in zip(fields, values, strict=True) if v is not None}
+
+    async def _listed(self, found: list[tuple[str, dict[str, str]]], wanted: ListFilter,
+                      fetched: tuple[str, ...] | None) -> list[tuple[str, Meta]]:
+        """The kept conversations' states; when only some fields were read, the whole
+        hashes now, each checked again (one that changed in between no longer fits)."""
+        if fetched is not None:
+            whole = await asyncio.gather(*(self._meta_fields(chat, None) for chat, _ in found))
+            found = [(chat, got) for (chat, _), got in zip(found, whole, strict=True)
+                     if wanted.matches(got)]
+        listed = []
+        for chat, got in found:
+            meta = Meta.from_fields(got)
+            if meta is not None:
+                listed.append((chat, meta))
+        return listed

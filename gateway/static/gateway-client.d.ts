@@ -229,7 +229,7 @@ export interface HistoryPage {
 export interface ConversationPage {
   conversations: Conversation[];
   /** Give it as `cursor` for the next page; null on the last. */
-  next_cursor: number | null;
+  next_cursor: string | null;
 }
 
 /** A conversation as the HTTP API shows it. */
@@ -246,6 +246,11 @@ export interface Conversation {
   goal_state: GoalState | null;
   preview: string | null;
   head: string | null;
+  usage: UsageTotals;
+  /** User messages and turns on the active path. */
+  message_count: number;
+  /** The conversation this one is a sub-conversation of, or null. */
+  parent: string | null;
 }
 
 /** `POST /v1/ws-ticket`: a single-use connection ticket for `GET /v1/ws?ticket=`. */
@@ -521,7 +526,7 @@ export interface RequestOptions {
 
 export interface ListConversationsOptions {
   limit?: number;
-  cursor?: number;
+  cursor?: string;
   /** Per attempt, ms; default the client's httpTimeout. */
   timeout?: number;
   /** Stop retrying. */

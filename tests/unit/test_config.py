@@ -74,7 +74,8 @@ def test_a_value_of_the_wrong_kind_names_the_variable_and_the_value(name: str, r
 POSITIVE = ["GATEWAY_REPLAY_LIMIT", "GATEWAY_BUFFER_MAX_FRAMES", "GATEWAY_BUFFER_MAX_BYTES",
             "GATEWAY_QUEUE_MAX_BYTES", "GATEWAY_MAX_FRAME_BYTES", "GATEWAY_MAX_SUBSCRIPTIONS",
             "GATEWAY_MAX_CONNECTIONS_PER_USER", "GATEWAY_INBOX_PARTITIONS",
-            "GATEWAY_STREAM_MAX_BYTES", "GATEWAY_REDIS_TIMEOUT", "GATEWAY_WAIT_TIMEOUT_MS"]
+            "GATEWAY_STREAM_MAX_BYTES", "GATEWAY_REDIS_TIMEOUT", "GATEWAY_WAIT_TIMEOUT_MS",
+            "GATEWAY_LIST_SCAN"]
 
 
 @pytest.mark.parametrize("name", POSITIVE)
@@ -89,6 +90,14 @@ def test_a_size_count_or_timeout_must_be_positive(name: str, raw: str) -> None:
 def test_a_timeout_that_is_not_a_number_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^GATEWAY_REDIS_TIMEOUT must be positive$"):
         load_settings({"GATEWAY_REDIS_TIMEOUT": "nan"})
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "inf"])
+def test_a_conversation_ttl_is_off_or_seconds(raw: str) -> None:
+    assert load_settings({}).conversation_ttl == 0
+    assert load_settings({"GATEWAY_CONVERSATION_TTL": "86400"}).conversation_ttl == 86400
+    with pytest.raises(ConfigError, match=r"^GATEWAY_CONVERSATION_TTL must be 0 \(off\)"):
+        load_settings({"GATEWAY_CONVERSATION_TTL": raw})
 
 
 def test_wait_replicas_may_be_zero_but_not_negative() -> None:

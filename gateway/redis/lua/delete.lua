@@ -4,14 +4,25 @@
 -- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4] the turn starts,
 -- KEYS[5..] the text keys, and last the sub-conversations (a sorted set)
 -- ARGV[1] room channel, ARGV[2] chat id
+-- ARGV[3] retention: "" or "0" deletes; else ms: delete only if nothing was stored for
+--         that long (updated_at, by this server's clock) and no turn runs
 -- Replies {"owner", "feed": the feed frame that announces the deletion, "parent" (a
 -- sub-conversation's), "children": the sub-conversations it had}, or {} when the
--- conversation does not exist. Its children are the store's to delete: they live in
--- other slots.
+-- conversation does not exist, or {"kept": ms} when retention keeps it: when to look again
+-- (its last change; now while a turn runs). Its children are the store's to delete: they
+-- live in other slots.
 
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return '{}' end
 local now = now_ms()
+local untouched = tonumber(ARGV[3])
+if untouched and untouched > 0 then
+  local status, updated, created = unpack(redis.call('HMGET', KEYS[1], 'status', 'updated_at',
+                                                     'created_at'))
+  if status == 'running' then return cjson.encode({kept = now}) end
+  local last = tonumber(updated or created or 0)
+  if last > now - untouched then return cjson.encode({kept = last}) end
+end
 local chat = cjson.encode(ARGV[2])
 local epoch = redis.call('HGET', KEYS[1], 'epoch')
 local seq = redis.call('HGET', KEYS[1], 'seq')
