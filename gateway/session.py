@@ -47,6 +47,7 @@ from .redis.records import Meta
 from .rooms import Seat
 from .streams import snapshot
 from .sync import catch_up, merge
+from .transport.frames import binary_frame, text_frame
 from .transport.outbound import outbound_for
 
 if TYPE_CHECKING:
@@ -128,8 +129,11 @@ class Session:
 
     # --- lifecycle --------------------------------------------------------------------
 
-    def start(self) -> None:
-        """The connection was accepted: count it in, join the user's feed, say hello."""
+    def start(self, head: bytes = b"") -> None:
+        """The connection was accepted: count it in, join the user's feed, say hello.
+
+        ``head`` (the handshake's response, on the fast path) leaves in the same write as
+        hello: one syscall less per connection."""
         self.gateway.sessions.setdefault(self.principal.user_id, set()).add(self)
         COUNTS.connections += 1
         if self.principal.expires_at is not None:
@@ -140,13 +144,21 @@ class Session:
         # not before hello: nothing the client does can tell the difference.
         self._feed_ready = self.hub.join_feed(self.principal.user_id, self)
         s = self.settings
-        self._send(p.Hello(
+        hello = p.Hello(
             connection_id=self.id, user_id=self.principal.user_id, role=self.principal.role,
             heartbeat_interval=s.heartbeat,
             limits=p.Limits(s.max_frame_bytes, s.max_text_bytes, s.max_subscriptions,
                             s.replay_limit, s.rate_limit, s.buffer_max_frames,
                             s.buffer_max_bytes, s.buffer_ttl),
-        ))
+        )
+        write = self.out.write
+        if head and write is not None:
+            payload = self.codec.encode(hello)
+            write(head + (binary_frame if self.binary else text_frame)(payload))
+            COUNTS.replies += 1
+            COUNTS.bytes_out += len(payload)
+        else:
+            self._send(hello)
 
     def received(self, data: bytes, resume_reading: Callable[[], None] | None = None) -> bool:
         """A client message (a text one as its UTF-8 bytes). Returns False when enough are

@@ -198,24 +198,24 @@ class Host:
         if admission.subprotocol:
             extra += [b"sec-websocket-protocol: ", admission.subprotocol.encode(), b"\r\n"]
         self.logger.info('%s - "WebSocket %s" [accepted]', *line, extra=ids)
-        transport.write(_status(b"101 Switching Protocols", b"".join(extra), default_headers))
+        head = _status(b"101 Switching Protocols", b"".join(extra), default_headers)
         protocol = GatewayWebSocketProtocol(self, transport)
         transport.set_protocol(protocol)
         self.connections.add(protocol)
         if self._sweep is None and self.ping_interval:
             self._sweep = self.loop.call_later(self.ping_interval, self.keepalive)
-        if admission.refusal is not None:
-            protocol.close(*admission.refusal)
-            return
-        session = endpoint.session(admission, {"extensions": {EXTENSION: protocol}},
-                                   protocol.send, connection_id)
+        session = None
+        if admission.refusal is None:
+            session = endpoint.session(admission, {"extensions": {EXTENSION: protocol}},
+                                       protocol.send, connection_id)
         if session is None:
             from ..connect import TOO_MANY_REASON
 
-            protocol.close(TOO_MANY, TOO_MANY_REASON)
+            transport.write(head)
+            protocol.close(*(admission.refusal or (TOO_MANY, TOO_MANY_REASON)))
             return
         protocol.session = session
-        session.start()
+        session.start(head)  # the 101 and hello leave in one write
 
     # --- keepalive: one timer for every connection ----------------------------------
 
