@@ -375,8 +375,12 @@ class Session:
     async def _handle_message(self, data: bytes) -> None:
         """One client message: rate limit, decode, handle; a backend failure closes."""
         try:
-            if self._feed_ready is not None:
-                await asyncio.wait_for(asyncio.shield(self._feed_ready), timeout=10)
+            ready = self._feed_ready
+            if ready is not None:
+                if ready.done():
+                    ready.result()  # raises if the feed could not be subscribed
+                else:  # wait_for costs a timer and a task: only when there is a wait
+                    await asyncio.wait_for(asyncio.shield(ready), timeout=10)
                 self._feed_ready = None
             if not self._admit():
                 return
