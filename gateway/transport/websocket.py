@@ -279,7 +279,11 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
         return framing
 
     def _flush(self, framing: Framing) -> None:
-        """Write what the framing produced; an empty chunk means: close the socket now."""
+        """Write what the framing produced. An empty chunk means the closing handshake is
+        over for us: half-close, and keep reading (and discarding) until the peer closes
+        too, or ``CLOSE_TIMEOUT``. Closing at once would reset a connection whose peer is
+        still sending (a frame over the limit), and the reset can destroy our close frame
+        before the peer reads it."""
         eof = False
         for chunk in framing.data_to_send():
             if chunk:
@@ -287,7 +291,14 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
             else:
                 eof = True
         if eof and not self._lost:
-            self.transport.close()
+            transport = self.transport
+            if transport.can_write_eof():
+                transport.write_eof()
+                if self._close_timer is None:
+                    self._close_timer = self._host.loop.call_later(CLOSE_TIMEOUT,
+                                                                   transport.close)
+            else:
+                transport.close()
 
     # --- inbound --------------------------------------------------------------------
 
@@ -347,7 +358,6 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
         if framing.state is OPEN:
             framing.fail(code, reason)
             self._flush(framing)
-            self.transport.close()
         self._end(code)
 
     def _end(self, code: int) -> None:
@@ -360,7 +370,9 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
             session.ended(code)
 
     def eof_received(self) -> bool | None:
-        return None  # the transport closes itself; connection_lost follows
+        # The peer is done sending: once we are too, the transport closes itself and
+        # connection_lost follows. A peer that half-closes mid-conversation is gone anyway.
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
