@@ -19,6 +19,7 @@ import os
 import struct
 from typing import Any
 
+import httpx
 import pytest
 
 from .conftest import GatewayProcess
@@ -363,3 +364,38 @@ async def test_keepalive_pings_and_closes_1011_when_unanswered(start_gateway: An
     assert (await answering.reply("pong"))["id"] == "alive"
     assert (await silent.closed_with())[0] == 1011  # never answered
     answering.close()
+
+
+# --- a connection ticket is redeemed after the 101 ----------------------------------------
+
+
+async def test_messages_sent_before_a_ticket_is_redeemed_wait_for_the_session(
+        gateway: GatewayProcess) -> None:
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        reply = await http.post("/v1/ws-ticket", headers=gateway.headers("ticket-user"))
+        assert reply.status_code == 200, reply.text
+    key = base64.b64encode(os.urandom(16))
+    request = (b"GET /v1/ws?ticket=" + reply.json()["ticket"].encode() + b" HTTP/1.1\r\n"
+               b"Host: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    raw, head = await Raw.open(gateway, request)
+    assert head.startswith(b"HTTP/1.1 101 ")
+    # At once, before hello: more messages than are held before reading stops.
+    raw.send(b"".join(frame(TEXT, ping_request(f"early-{i}")) for i in range(6)))
+    hello = await raw.message()
+    assert hello["type"] == "hello" and hello["user_id"] == "ticket-user"
+    assert [(await raw.reply("pong"))["id"] for _ in range(6)] == [f"early-{i}"
+                                                                   for i in range(6)]
+    raw.close()
+
+
+async def test_a_spent_ticket_closes_4001(gateway: GatewayProcess) -> None:
+    key = base64.b64encode(os.urandom(16))
+    request = (b"GET /v1/ws?ticket=nope HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+               b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key
+               + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    raw, head = await Raw.open(gateway, request)
+    assert head.startswith(b"HTTP/1.1 101 ")
+    raw.send(frame(TEXT, ping_request("too-early")))  # dropped with the refusal
+    code, reason = await raw.closed_with()
+    assert code == 4001 and reason.startswith(b"invalid ticket")

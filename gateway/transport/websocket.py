@@ -36,13 +36,14 @@ from .. import logs
 from ..closecodes import INTERNAL_ERROR, SERVER_RESTART, TOO_MANY
 
 if TYPE_CHECKING:
-    from ..connect import SocketEndpoint
+    from ..connect import Admission, SocketEndpoint
 
 EXTENSION = "gateway.transport"
 # The lifespan state key under which the app offers its /v1/ws endpoint (see gateway.app).
 ENDPOINT_STATE = "gateway.sockets"
 WEBSOCKET_PATH = b"/v1/ws"
 CLOSE_TIMEOUT = 10.0  # seconds the peer has to answer our close frame
+EARLY_MAX = 4  # client messages held while a ticket is redeemed before reading stops
 SPARE_FRAMINGS = 64  # parsers kept for reuse: enough for the connections of one loop turn
 PING = b"\x89\x00"  # an unmasked ping with no payload: the same bytes for every connection
 _AT_EOF = StreamReader.at_eof.__code__
@@ -206,6 +207,28 @@ class Host:
         self.connections.add(protocol)
         if self._sweep is None and self.ping_interval:
             self._sweep = self.loop.call_later(self.ping_interval, self.keepalive)
+        if admission.ticket is None:
+            self._open(protocol, endpoint, admission, connection_id, head)
+            return
+        # A ticket is redeemed in Redis, after the accept as a token is checked after it:
+        # what the client sends meanwhile waits for the session.
+        transport.write(head)
+        protocol.early = []
+        task = self.loop.create_task(self._redeem(protocol, endpoint, admission, connection_id))
+        protocol.redeeming = task
+
+    async def _redeem(self, protocol: GatewayWebSocketProtocol, endpoint: SocketEndpoint,
+                      admission: Admission, connection_id: str) -> None:
+        logs.bind(connection_id=connection_id)
+        admission = await endpoint.redeem(admission)
+        protocol.redeeming = None
+        if not protocol.lost:
+            self._open(protocol, endpoint, admission, connection_id, b"")
+
+    def _open(self, protocol: GatewayWebSocketProtocol, endpoint: SocketEndpoint,
+              admission: Admission, connection_id: str, head: bytes) -> None:
+        """Start the session of an accepted connection, or close it with its refusal.
+        ``head`` is the 101 if it is still to be written."""
         session = None
         if admission.refusal is None:
             session = endpoint.session(admission, {"extensions": {EXTENSION: protocol}},
@@ -213,11 +236,13 @@ class Host:
         if session is None:
             from ..connect import TOO_MANY_REASON
 
-            transport.write(head)
+            if head:
+                protocol.transport.write(head)
             protocol.close(*(admission.refusal or (TOO_MANY, TOO_MANY_REASON)))
-            return
-        protocol.session = session
-        session.start(head)  # the 101 and hello leave in one write
+        else:
+            protocol.session = session
+            session.start(head)  # the 101 and hello leave in one write
+        protocol.deliver_early()
 
     # --- keepalive: one timer for every connection ----------------------------------
 
@@ -257,8 +282,8 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
     ``transport``, ``writable`` and ``listener`` are what the fast path
     (:class:`~gateway.transport.outbound.DirectOutbound`) uses."""
 
-    __slots__ = ("_close_timer", "_framing", "_host", "_lost", "_parts", "_pinged", "_text",
-                 "listener", "session", "transport", "writable")
+    __slots__ = ("_close_timer", "_framing", "_host", "_parts", "_pinged", "_text", "early",
+                 "listener", "lost", "redeeming", "session", "transport", "writable")
 
     def __init__(self, host: Host, transport: asyncio.Transport) -> None:
         self._host = host
@@ -271,7 +296,10 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
         self._text = False
         self._pinged = False
         self._close_timer: asyncio.TimerHandle | None = None
-        self._lost = False
+        self.lost = False
+        # While a ticket is redeemed: the task, and the client messages that wait for it.
+        self.redeeming: asyncio.Task[None] | None = None
+        self.early: list[bytes] | None = None
 
     def _framer(self) -> Framing:
         framing = self._framing
@@ -293,7 +321,7 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
                 self.transport.write(chunk)
             else:
                 eof = True
-        if eof and not self._lost:
+        if eof and not self.lost:
             transport = self.transport
             if transport.can_write_eof():
                 transport.write_eof()
@@ -356,9 +384,31 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
                 self._host.logger.info("a text frame that is not UTF-8: closing with 1007")
                 self._fail(1007, "invalid UTF-8")
                 return
+        if self.early is not None:
+            self.early.append(data)
+            if len(self.early) >= EARLY_MAX:
+                self.transport.pause_reading()  # resumed by the session, or closed
+            return
+        self.deliver(data)
+
+    def deliver_early(self) -> None:
+        """The session started (or the connection was refused): hand it what waited."""
+        early, self.early = self.early, None
+        if early is None:
+            return
+        reading = True
+        for data in early:
+            reading = self.deliver(data)
+        if len(early) >= EARLY_MAX and reading and not self.lost:
+            self.transport.resume_reading()
+
+    def deliver(self, data: bytes) -> bool:
+        """Hand a client message to the session; stop reading while it has enough."""
         session = self.session
         if session is not None and not session.received(data, self.transport.resume_reading):
             self.transport.pause_reading()
+            return False
+        return True
 
     def _fail(self, code: int, reason: str) -> None:
         framing = self._framer()
@@ -382,7 +432,7 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
+        self.lost = True
         self._host.connections.discard(self)
         if self._close_timer is not None:
             self._close_timer.cancel()
@@ -413,7 +463,7 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
     def close(self, code: int, reason: str = "") -> None:
         """Send a close frame; the socket closes when the peer answers, or after
         ``CLOSE_TIMEOUT``. What is already in the transport's buffer leaves first."""
-        if self._lost:
+        if self.lost:
             return
         framing = self._framer()
         if framing.state is not OPEN:
@@ -424,7 +474,7 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
 
     def ping(self) -> None:
         """A keepalive round (:meth:`Host.keepalive`)."""
-        if self._lost or self._close_timer is not None:
+        if self.lost or self._close_timer is not None:
             return
         if self._pinged:
             self._host.logger.info("keepalive ping not answered: closing with 1011")
@@ -435,7 +485,7 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """uvicorn is stopping: 1012 to everyone, then the socket closes."""
-        if self._close_timer is None and not self._lost:
+        if self._close_timer is None and not self.lost:
             framing = self._framer()
             if framing.state is OPEN:
                 framing.send_close(SERVER_RESTART)
