@@ -2,7 +2,8 @@
 
 The two hot paths skip Starlette: ``/v1/ws`` goes straight to
 :class:`~gateway.connect.SocketEndpoint` (a WebSocket lives for hours, and the middleware a
-request needs for its milliseconds would sit in every connection's task all that time), and
+request needs for its milliseconds would sit in every connection's task all that time; under
+``gateway serve`` it does not even reach the app, see :mod:`gateway.transport.websocket`), and
 ``POST /v1/conversations/{chat_id}/events`` to :class:`~gateway.api.PublishEndpoint` (its
 routing and middleware cost as much as the publish). Everything else goes through Starlette.
 """
@@ -21,6 +22,7 @@ from .config import Settings, load_settings
 from .connect import SocketEndpoint
 from .runtime import Gateway
 from .transport.uvicorn_ws import redact_request_logs
+from .transport.websocket import ENDPOINT_STATE
 
 WEBSOCKET_PATH = "/v1/ws"
 
@@ -52,11 +54,15 @@ def create_app(settings: Settings | None = None) -> GatewayApp:
     exporter = scrape.Exporter(gateway)
     gateway.companions.append(lambda _: exporter)  # started once the gateway is
 
+    sockets = SocketEndpoint(gateway)
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         await gateway.start()
         try:
-            yield
+            # The gateway's own WebSocket protocol finds the endpoint here (lifespan state
+            # reaches the server's protocols without going through a request).
+            yield {ENDPOINT_STATE: sockets}
         finally:
             await gateway.stop()
 
@@ -67,4 +73,4 @@ def create_app(settings: Settings | None = None) -> GatewayApp:
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return GatewayApp(app, SocketEndpoint(gateway), api.PublishEndpoint(gateway))
+    return GatewayApp(app, sockets, api.PublishEndpoint(gateway))

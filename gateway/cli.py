@@ -63,12 +63,16 @@ def _loop() -> str:
     return "uvloop"
 
 
-def _http() -> str:
+def _http() -> Any:
+    """uvicorn's httptools protocol with the gateway's WebSocket upgrade; without httptools,
+    h11 and the plain ASGI path (slower)."""
     try:
         import httptools  # noqa: F401
     except ImportError:
         return "h11"
-    return "httptools"
+    from .transport.uvicorn_ws import GatewayHttpProtocol
+
+    return GatewayHttpProtocol
 
 
 def create_app() -> GatewayApp:
@@ -113,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from . import scrape
     from .embedded import EmbeddedRedis
-    from .transport.uvicorn_ws import GatewayWebSocketProtocol, check_compatible
+    from .transport.uvicorn_ws import check_compatible
 
     settings = load_settings(redis_url=args.redis_url, data_dir=args.data_dir, host=args.host,
                              port=args.port, dev=args.dev or None)
@@ -154,7 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run(
             "gateway.cli:create_app", factory=True, host=settings.host, port=settings.port,
             workers=args.workers, loop=_loop(), http=_http(),
-            ws=GatewayWebSocketProtocol, ws_max_size=settings.max_frame_bytes,
+            ws="websockets-sansio", ws_max_size=settings.max_frame_bytes,
             ws_ping_interval=settings.heartbeat, ws_ping_timeout=settings.heartbeat,
             ws_per_message_deflate=False, log_level=args.log_level, lifespan="on",
             log_config=logs.uvicorn_config(settings.log_format, args.log_level),

@@ -11,3 +11,4 @@ SERVER_RESTART = 1012  # reconnect and resume
 BACKEND_UNAVAILABLE = 1013  # reconnect after a backoff and resume
 FRAME_TOO_BIG = 1009  # sent by the WebSocket layer for a frame over the limit
 
+INTERNAL_ERROR = 1011  # a bug in the server, or a keepalive ping not answered in time

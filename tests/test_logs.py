@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidStatus
 from websockets.frames import Frame, Opcode
@@ -34,7 +35,11 @@ from gateway import logs
 from gateway.auth import issue_token
 from gateway.config import ConfigError, load_settings
 from gateway.logs import JsonFormatter, RedactSecrets
-from gateway.transport.uvicorn_ws import GatewayWebSocketProtocol, check_compatible
+from gateway.transport.uvicorn_ws import (
+    GatewayHttpProtocol,
+    GatewayWebSocketProtocol,
+    check_compatible,
+)
 
 from .conftest import GatewayProcess, free_port
 from .steps import send_message
@@ -43,8 +48,6 @@ from .test_fastpath import assert_usable, connect, post_all
 
 pytestmark = pytest.mark.anyio
 
-HOOKS = ("run_asgi", "pause_writing", "resume_writing", "connection_lost", "handle_close",
-         "keepalive_timeout", "handle_parser_exception", "shutdown")
 ACCEPTED = '"WebSocket /v1/ws?token=[redacted]" [accepted]'
 
 
@@ -429,30 +432,28 @@ def test_the_log_format_setting() -> None:
         load_settings({"GATEWAY_LOG_FORMAT": "xml"})
 
 
-# --- the uvicorn protocol subclass -------------------------------------------------------
+# --- the gateway's protocol inside uvicorn ----------------------------------------------
 
 
 def test_the_installed_uvicorn_is_compatible() -> None:
-    check_compatible()  # raises RuntimeError on an incompatible uvicorn
-    assert issubclass(GatewayWebSocketProtocol, WebSocketsSansIOProtocol)
-    for name in HOOKS:
-        # Overridden here, and overriding something uvicorn really has and calls.
-        assert name in GatewayWebSocketProtocol.__dict__, name
-        base = getattr(WebSocketsSansIOProtocol, name, None)
-        assert callable(base), name
-        assert (inspect.signature(getattr(GatewayWebSocketProtocol, name)).parameters.keys()
-                == inspect.signature(base).parameters.keys()), name
-    # The attributes the fast path reads are set by uvicorn's constructor...
-    names = WebSocketsSansIOProtocol.__init__.__code__.co_names
-    for attr in ("transport", "writable", "close_sent", "conn", "queue", "logger"):
-        assert attr in names, attr
-    # ...and uvicorn accepts the class as its WebSocket protocol.
+    check_compatible()  # raises RuntimeError on an incompatible uvicorn or websockets
+    # The upgrade hook overrides something uvicorn really has and calls on an upgrade.
+    assert "handle_websocket_upgrade" in GatewayHttpProtocol.__dict__
+    assert issubclass(GatewayHttpProtocol, HttpToolsProtocol)
+    assert (inspect.signature(GatewayHttpProtocol.handle_websocket_upgrade).parameters.keys()
+            == inspect.signature(HttpToolsProtocol.handle_websocket_upgrade).parameters.keys())
+    assert "handle_websocket_upgrade" in HttpToolsProtocol.data_received.__code__.co_names
+    # The protocol of our own is no uvicorn class, and a connection has no __dict__.
+    assert not issubclass(GatewayWebSocketProtocol, WebSocketsSansIOProtocol)
+    assert not hasattr(GatewayWebSocketProtocol.__new__(GatewayWebSocketProtocol), "__dict__")
+
+    # ...and uvicorn accepts the class as its HTTP protocol.
     async def app(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("not called")
 
-    config = uvicorn.Config(app, ws=GatewayWebSocketProtocol)
+    config = uvicorn.Config(app, http=GatewayHttpProtocol)
     config.load()
-    assert config.ws_protocol_class is GatewayWebSocketProtocol
+    assert config.http_protocol_class is GatewayHttpProtocol
 
 
 # --- the ASGI fallback: plain uvicorn, no fast path --------------------------------------

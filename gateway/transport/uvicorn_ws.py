@@ -1,43 +1,42 @@
-"""uvicorn's websockets-sansio protocol, extended with the fast path the gateway writes through.
+"""The gateway's WebSocket transport in uvicorn, and logs that hold no token.
 
-uvicorn sends each ASGI ``websocket.send`` through websockets' frame serializer, one
-connection at a time. The gateway instead writes frames it built once per process straight
-to each socket's transport (see :mod:`gateway.transport.outbound`). This subclass offers
-that to the app as ``scope["extensions"]["gateway.transport"]`` (the protocol object
-itself) and tells the app when the transport pauses, resumes or starts closing, so fan-out
-never writes past backpressure or into a closed socket.
+:class:`GatewayHttpProtocol` is uvicorn's httptools protocol with one change: a WebSocket
+upgrade goes to :mod:`gateway.transport.websocket` (the gateway's own protocol), with the
+request as httptools parsed it. ``gateway serve`` passes it as ``http=``. Under any other
+server, or plain uvicorn, the app runs as an ASGI app (only slower).
 
 It also keeps bearer tokens out of the logs: uvicorn logs every accepted WebSocket with its
-query string, and browsers can only send the token there; and it logs a client's text frame
-that is not UTF-8 as one line at INFO, not as an error with a traceback.
+query string, and browsers can only send the token there; and under plain uvicorn it logs a
+client's text frame that is not UTF-8 as one line at INFO, not as an error with a traceback.
 
-This touches uvicorn internals (``transport``, ``writable``, ``close_sent``, ``scope`` and
-the hooks below). :func:`check_compatible` verifies them at start-up and the test suite
-runs it, so an upgrade that breaks them fails loudly; ``pyproject.toml`` pins the range.
+This touches uvicorn internals (``handle_websocket_upgrade`` and the attributes it reads)
+and websockets' (the parser's state between frames). :func:`check_compatible` verifies them
+at start-up and the test suite runs it, so an upgrade that breaks them fails loudly;
+``pyproject.toml`` pins the range.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Any, Protocol
+from typing import Any, cast
+from weakref import WeakKeyDictionary
 
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+from websockets.protocol import Protocol as Framing
+from websockets.protocol import Side
 
 from ..logs import RedactSecrets
+from .websocket import (
+    EXTENSION,
+    GatewayWebSocketProtocol,
+    Host,
+    TransportListener,
+    waits_for_frame,
+)
 
-EXTENSION = "gateway.transport"
-
-
-class TransportListener(Protocol):
-    """What the protocol tells the connection's writer (called synchronously)."""
-
-    def on_pause(self) -> None: ...
-
-    def on_resume(self) -> None: ...
-
-    def on_closing(self) -> None: ...
-
+__all__ = ["EXTENSION", "GatewayHttpProtocol", "GatewayWebSocketProtocol", "TransportListener",
+           "check_compatible", "redact_request_logs", "redacting_logger"]
 
 class ClientFaults(logging.Filter):
     """A text frame that is not UTF-8 is the client's fault: uvicorn logs it as an error with
@@ -84,147 +83,47 @@ def redacting_logger() -> logging.Logger:
     return _logger
 
 
-class ReceivedMessages:
-    """uvicorn's receive queue (one consumer) without ``asyncio.Queue``'s three deques.
-
-    An idle connection holds its queue for hours: this one costs a list and a slot.
-    """
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: list[Any] = []
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: Any) -> None:
-        self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def get(self) -> Any:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.pop(0)
-
-    def empty(self) -> bool:
-        return not self._items
+def _host(http: HttpToolsProtocol) -> Host:
+    host = _hosts.get(http.server_state)
+    if host is None:
+        host = _hosts[http.server_state] = Host(http.config, http.server_state, http.app_state,
+                                                redacting_logger())
+    return host
 
 
-class Flag:
-    """``asyncio.Event`` for ``writable``, with no deque until someone waits."""
-
-    __slots__ = ("_set", "_waiters")
-
-    def __init__(self) -> None:
-        self._set = True
-        self._waiters: list[asyncio.Future[None]] | None = None
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def set(self) -> None:
-        self._set = True
-        waiters, self._waiters = self._waiters, None
-        for waiter in waiters or ():
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def clear(self) -> None:
-        self._set = False
-
-    async def wait(self) -> None:
-        if self._set:
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        if self._waiters is None:
-            self._waiters = []
-        self._waiters.append(waiter)
-        await waiter
+_hosts: WeakKeyDictionary[Any, Host] = WeakKeyDictionary()
 
 
-class GatewayWebSocketProtocol(WebSocketsSansIOProtocol):
-    """``uvicorn.run(ws=GatewayWebSocketProtocol)``: the fast path plus token-free logs."""
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """``uvicorn.run(http=GatewayHttpProtocol)``: uvicorn's HTTP protocol, except that a
+    WebSocket upgrade goes to the gateway's own protocol, with the request as httptools
+    parsed it (uvicorn would print it back to bytes for a WebSocket library to parse)."""
 
-    listener: TransportListener | None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.logger = redacting_logger()
-        self.listener = None
-        self.queue = ReceivedMessages()  # type: ignore[assignment]
-        self.writable = Flag()  # type: ignore[assignment]
-
-    async def run_asgi(self) -> None:
-        # The scope exists once the handshake request was parsed; the app runs in here.
-        self.scope["extensions"][EXTENSION] = self  # type: ignore[index,assignment]
-        await super().run_asgi()
-
-    async def send(self, message: Any) -> None:
-        await super().send(message)
-        if self.handshake_complete and getattr(self, "response", None) is not None:
-            # The handshake's request and response are done with: a connection lives for
-            # hours, and they are a good part of its memory.
-            self.request = self.response = None  # type: ignore[assignment]
-
-    # --- flow control: the transport's own buffer is the connection's queue -------------
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self.listener is not None:
-            self.listener.on_pause()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self.listener is not None:
-            self.listener.on_resume()
-
-    # --- every path on which uvicorn closes the transport by itself ---------------------
-
-    def _closing(self) -> None:
-        listener, self.listener = self.listener, None
-        if listener is not None:
-            listener.on_closing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closing()
-        super().connection_lost(exc)
-
-    def handle_close(self, event: Any) -> None:
-        self._closing()
-        super().handle_close(event)
-
-    def keepalive_timeout(self) -> None:
-        self._closing()
-        super().keepalive_timeout()
-
-    def handle_parser_exception(self) -> None:
-        self._closing()
-        super().handle_parser_exception()
-
-    def shutdown(self) -> None:
-        self._closing()
-        super().shutdown()
-
-
-_REQUIRED = ("transport", "writable", "close_sent", "conn", "queue")
-_HOOKS = ("run_asgi", "pause_writing", "resume_writing", "connection_lost", "handle_close",
-          "keepalive_timeout", "handle_parser_exception", "shutdown", "send", "receive")
+    def handle_websocket_upgrade(self) -> None:
+        self.connections.discard(self)
+        _host(self).upgrade(self.transport, cast(dict[str, Any], self.scope), self.url, self.client)
 
 
 def check_compatible() -> None:
-    """Raise ``RuntimeError`` if uvicorn's protocol no longer has what this class relies on."""
-    missing = [name for name in _HOOKS if not callable(getattr(WebSocketsSansIOProtocol, name,
-                                                                None))]
-    source = WebSocketsSansIOProtocol.__init__.__code__.co_names
-    missing += [name for name in _REQUIRED if name not in source]
-    if "scope" not in WebSocketsSansIOProtocol.handle_connect.__code__.co_names:
-        missing.append("scope")
+    """Raise ``RuntimeError`` if uvicorn or websockets no longer have what this relies on."""
+    missing = [] if callable(getattr(HttpToolsProtocol, "handle_websocket_upgrade", None)) else [
+        "HttpToolsProtocol.handle_websocket_upgrade"]
+    names = HttpToolsProtocol.handle_websocket_upgrade.__code__.co_names + (
+        HttpToolsProtocol.__init__.__code__.co_names
+        + HttpToolsProtocol.connection_made.__code__.co_names)
+    missing += [name for name in ("connections", "scope", "url", "transport", "client",
+                                  "config", "server_state", "app_state") if name not in names]
+    state = ServerState()
+    missing += [name for name in ("connections", "default_headers") if not hasattr(state, name)]
+    framing = Framing(Side.SERVER)
+    missing += [f"websockets Protocol.{name}" for name in ("current_size", "reader", "parser",
+                                                           "close_rcvd_then_sent")
+                if not hasattr(framing, name)]
+    if not waits_for_frame(framing):
+        missing.append("websockets Protocol.parse waiting in StreamReader.at_eof")
     if missing:
         import uvicorn
+        from websockets.version import version
 
-        raise RuntimeError(f"uvicorn {uvicorn.__version__}: its websockets-sansio protocol "
-                           f"lacks {', '.join(missing)}; pin a supported uvicorn")
+        raise RuntimeError(f"uvicorn {uvicorn.__version__}, websockets {version}:"
+                           f" missing {', '.join(missing)}; pin a supported version")

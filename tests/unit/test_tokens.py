@@ -1,0 +1,96 @@
+"""The gateway's HS256 check gives PyJWT's verdict on every kind of token, good and bad."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import re
+import time
+from typing import Any
+
+import jwt
+import pytest
+
+from gateway.auth import AuthError, Principal, issue_token, verify_token
+
+SECRET = "s" * 32
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _signed(claims: Any, header: Any = None, secret: str = SECRET) -> str:
+    """A token PyJWT would not make: any header, any payload (even not an object)."""
+    head = _b64(json.dumps(header or {"alg": "HS256", "typ": "JWT"}).encode())
+    body = _b64(json.dumps(claims).encode())
+    sig = hmac.new(secret.encode(), f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{_b64(sig)}"
+
+
+NOW = int(time.time())
+GOOD = issue_token(SECRET, "alice")
+HEAD, BODY, SIG = GOOD.split(".")
+MALLORY = _b64(json.dumps({"sub": "mallory", "exp": NOW + 60}).encode())
+TOKENS = {
+    "valid": GOOD,
+    "valid service": issue_token(SECRET, "svc", role="service"),
+    "expired": issue_token(SECRET, "alice", ttl=-10),
+    "other secret": issue_token("t" * 32, "alice"),
+    "alg none": _signed({"sub": "a", "exp": NOW + 60}, {"alg": "none"}),
+    "alg HS512": _signed({"sub": "a", "exp": NOW + 60}, {"alg": "HS512", "typ": "JWT"}),
+    "no exp": _signed({"sub": "a"}),
+    "no sub": _signed({"exp": NOW + 60}),
+    "exp a string": _signed({"sub": "a", "exp": "soon"}),
+    "exp a float": _signed({"sub": "a", "exp": NOW + 60.5}),
+    "nbf ahead": _signed({"sub": "a", "exp": NOW + 60, "nbf": NOW + 30}),
+    "nbf past": _signed({"sub": "a", "exp": NOW + 60, "nbf": NOW - 30}),
+    "iat ahead": _signed({"sub": "a", "exp": NOW + 60, "iat": NOW + 30}),
+    "with aud": _signed({"sub": "a", "exp": NOW + 60, "aud": "x"}),
+    "payload a list": _signed([1, 2]),
+    "sub a number": _signed({"sub": 5, "exp": NOW + 60}),
+    "sub with colon": _signed({"sub": "a:b", "exp": NOW + 60}),
+    "role admin": _signed({"sub": "a", "exp": NOW + 60, "role": "admin"}),
+    "tampered payload": f"{HEAD}.{MALLORY}.{SIG}",
+    "junk in signature": f"{HEAD}.{BODY}.{SIG[:10]}!{SIG[10:]}",
+    "padded signature": f"{GOOD}=",
+    "two segments": f"{HEAD}.{BODY}",
+    "four segments": f"{GOOD}.x",
+    "header not json": f"{_b64(b'nope')}.{BODY}.{SIG}",
+    "empty signature": f"{HEAD}.{BODY}.",
+}
+
+
+def pyjwt_verdict(token: str) -> Principal | None:
+    """PyJWT's decision, with the gateway's own rules on ``sub`` and ``role``."""
+    try:
+        claims = jwt.decode(token, SECRET, algorithms=["HS256"],
+                            options={"require": ["sub", "exp"]})
+    except jwt.PyJWTError:
+        return None
+    sub, role = claims.get("sub"), claims.get("role", "user")
+    if not isinstance(sub, str) or not sub or ":" in sub or role not in ("user", "service"):
+        return None
+    return Principal(sub, role, float(claims["exp"]))
+
+
+@pytest.mark.parametrize("name", list(TOKENS))
+def test_the_verdict_is_pyjwts(name: str) -> None:
+    token = TOKENS[name]
+    try:
+        ours: Principal | None = verify_token(SECRET, token)
+    except AuthError:
+        ours = None
+    assert ours == pyjwt_verdict(token)
+
+
+def test_the_reasons_a_client_sees() -> None:
+    for name, reason in [("expired", "token expired"),
+                         ("other secret", "invalid token: Signature verification failed"),
+                         ("no sub", 'invalid token: Token is missing the "sub" claim')]:
+        with pytest.raises(AuthError, match=f"^{re.escape(reason)}$"):
+            verify_token(SECRET, TOKENS[name])
+    with pytest.raises(AuthError, match=r"^missing token$"):
+        verify_token(SECRET, None)
