@@ -8,6 +8,7 @@ contract the replies keep.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import secrets
 from collections.abc import Mapping
@@ -318,7 +319,11 @@ def _query(request: Request, kind: type[T]) -> T:
 
 async def _body(request: Request, kind: type[T], empty_ok: bool = False) -> T:
     """The body decoded as ``kind``; with ``empty_ok``, no body at all means ``{}``."""
-    body = await _read_body(request)
+    body = await _read_body(request.receive, request.headers.get("content-length"))
+    return _decode(body, kind, empty_ok)
+
+
+def _decode(body: bytes, kind: type[T], empty_ok: bool = False) -> T:
     if empty_ok and not body.strip():
         body = b"{}"
     try:
@@ -329,8 +334,8 @@ async def _body(request: Request, kind: type[T], empty_ok: bool = False) -> T:
         raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
 
 
-async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length")
+async def _read_body(receive: Receive, declared: str | None) -> bytes:
+    """The whole body from ASGI ``receive``; ``declared`` is its Content-Length header."""
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
     # Straight from ASGI receive, not request.stream(): the publish path reads every body
@@ -338,7 +343,7 @@ async def _read_body(request: Request) -> bytes:
     chunks: list[bytes] = []
     size, more = 0, True
     while more:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunk: bytes = message.get("body", b"")
@@ -360,20 +365,33 @@ CONVERSATIONS = "/v1/conversations/"
 EVENTS = "/events"
 
 
-async def _publish(gateway: Gateway, request: Request) -> bytes:
-    who = gateway.authenticate(request)
+async def _publish(gateway: Gateway, scope: Scope, receive: Receive,
+                   task: asyncio.Task[Any] | None) -> bytes:
+    # The two headers it needs, in one pass over the raw list: the first of each, decoded
+    # as Starlette would (latin-1), without building a Request and its Headers.
+    authorization = length = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            if authorization is None:
+                authorization = value.decode("latin-1")
+        elif name == b"content-length" and length is None:
+            length = value.decode("latin-1")
+    who = gateway.authenticate_raw(authorization, scope)
     if not who.is_service:
         raise Rejected("forbidden", "publishing needs a service token")
-    chat_id = request.scope["path"][len(CONVERSATIONS):-len(EVENTS)]
+    chat_id = scope["path"][len(CONVERSATIONS):-len(EVENTS)]
     if not p.CHAT_ID_RE.match(chat_id):
         raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
-    logs.bind(user_id=who.user_id, chat_id=chat_id)
-    batch = (await _body(request, PublishBody)).batch()
+    logs.bind(user_id=who.user_id, chat_id=chat_id, task=task)
+    batch = _decode(await _read_body(receive, length), PublishBody).batch()
     result = await gateway.conversations.publish(
         who, chat_id, list(batch.events), batch.idempotency_key
     )
     return _encode(Published(chat_id, result.epoch, result.seqs, result.last_seq,
                              result.duplicate))
+
+
+_JSON_HEADERS = (b"content-type", b"application/json")
 
 
 class PublishEndpoint:
@@ -387,10 +405,16 @@ class PublishEndpoint:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        # Python 3.11 makes a getpid() call in every running-loop lookup: once is enough.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         try:
-            status, body = 200, await _publish(self.gateway, Request(scope, receive))
+            status, body = 200, await _publish(self.gateway, scope, receive,
+                                               asyncio.current_task(loop))
         except ClientDisconnect:
             return  # nobody left to answer
         except Rejected as exc:
@@ -398,8 +422,7 @@ class PublishEndpoint:
         except (RedisError, ConnectionError) as exc:
             status, body = 503, _error_body("backend_unavailable", f"redis: {exc}")
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+                    "headers": [_JSON_HEADERS, (b"content-length", b"%d" % len(body))]})
         await send({"type": "http.response.body", "body": body})
 
     @staticmethod
@@ -418,7 +441,8 @@ class PublishEndpoint:
 )
 async def publish(request: Request) -> Response:
     # app.py routes this operation to PublishEndpoint first; this is the same, via Starlette.
-    return JSONResponse(await _publish(_gateway(request), request))
+    return JSONResponse(await _publish(_gateway(request), request.scope, request.receive,
+                                       asyncio.current_task()))
 
 
 @API.operation(

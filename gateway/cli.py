@@ -164,6 +164,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_config=logs.uvicorn_config(settings.log_format, args.log_level),
             timeout_graceful_shutdown=5,
             access_log=False,  # query strings carry tokens (browsers cannot set headers)
+            # The gateway reads neither the client's address nor the scheme: uvicorn's
+            # X-Forwarded-* middleware would only wrap every request for nothing.
+            proxy_headers=False,
         )
     finally:
         if metrics_port is not None:

@@ -32,6 +32,7 @@ from .redis.keys import feed_channel
 from .redis.records import History
 from .redis.store import Store
 from .rooms import Member, Room
+from .transport.cork import corked
 
 log = logging.getLogger("gateway.hub")
 
@@ -176,6 +177,13 @@ class Hub:
             frame = Frame(data)
             for member in list(members):
                 member.deliver_feed(frame)
+
+    def on_messages(self, messages: list[tuple[bytes, bytes]]) -> None:
+        """Several messages from one read: every socket gets what they hold for it in one
+        write (a client watching many rooms an agent streams into, a burst)."""
+        with corked():
+            for channel, data in messages:
+                self.on_message(channel, data)
 
     def on_resubscribed(self, channel: bytes) -> None:
         room = self._rooms_by_channel.get(channel)

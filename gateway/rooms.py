@@ -23,6 +23,7 @@ from .frames import Frame
 from .metrics import COUNTS
 from .redis.keys import room_channel
 from .streams import Floor
+from .transport import cork
 
 log = logging.getLogger("gateway.rooms")
 
@@ -198,7 +199,7 @@ class Room:
 
 def _write_all(writers: dict[Write, Seat], data: bytes) -> None:
     """``write(data)`` for every writer: the whole per-recipient cost of the fast lane
-    (counted once, by the size of the set).
+    (counted once, by the size of the set); held while corked (:mod:`.transport.cork`).
 
     Iterates over a snapshot: a write can pause its transport, which takes that member out
     of the set at once. A transport that died without telling us yet raises; it is dropped
@@ -207,6 +208,9 @@ def _write_all(writers: dict[Write, Seat], data: bytes) -> None:
     n = len(writers)
     COUNTS.direct += n
     COUNTS.bytes_out += n * len(data)
+    if cork.CORK.active:  # several frames are going out: held, then one write per socket
+        cork.hold_all(tuple(writers), data)
+        return
     pending = iter(tuple(writers))
     while True:
         try:

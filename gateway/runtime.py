@@ -14,7 +14,9 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+from starlette.datastructures import QueryParams
 from starlette.requests import HTTPConnection
+from starlette.types import Scope
 
 from .auth import AuthError, Principal, TokenCache, bearer
 from .closecodes import BACKEND_UNAVAILABLE, SERVER_RESTART
@@ -121,9 +123,14 @@ class Gateway:
 
     def authenticate(self, request: HTTPConnection) -> Principal:
         """Who an HTTP request comes from: its bearer token (header, else ``?token=``)."""
-        query_token = (request.query_params.get("token")
-                       if b"token=" in request.scope.get("query_string", b"") else None)
-        token = bearer(request.headers.get("authorization"), query_token)
+        return self.authenticate_raw(request.headers.get("authorization"), request.scope)
+
+    def authenticate_raw(self, authorization: str | None, scope: Scope) -> Principal:
+        """:meth:`authenticate`, given the request's ``Authorization`` header as found (the
+        publish path reads its headers in one pass, without a Starlette request)."""
+        query = scope.get("query_string", b"")
+        query_token = QueryParams(query).get("token") if b"token=" in query else None
+        token = bearer(authorization, query_token)
         try:
             return self.tokens.verify(token)
         except AuthError as exc:

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 from websockets.asyncio.client import connect as ws_connect
 
 from .steps import create, publish
@@ -680,3 +681,52 @@ async def test_resubscribing_right_after_delete_follows_the_new_incarnation(
         assert got[0] == got[1]
         for ws in (js, mp):
             await assert_usable(ws, "end")
+
+
+# --- coalesced writes --------------------------------------------------------------------
+
+
+def write_calls(pid: int) -> int:
+    """The process's write system calls so far (``syscw`` of /proc/<pid>/io)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("syscw:"):
+            return int(line.split()[1])
+    raise AssertionError("no syscw in /proc/<pid>/io")
+
+
+async def test_frames_for_many_rooms_one_client_watches_leave_in_one_write(
+    fast: Any, redis_url: str, user: str, chat_id: str
+) -> None:
+    """An agent publishes into every room one client watches at once: the frames reach the
+    gateway in one pub/sub read, and leave for the client's socket in one write, not one
+    each, in order (gateway/transport/cork.py)."""
+    from gateway.config import Settings
+    from gateway.redis.backend import Backend
+    from gateway.redis.records import OutEvent
+    from gateway.redis.store import Store
+
+    rooms = [f"{chat_id}-r{k}" for k in range(40)]
+    for room in rooms:
+        await create(fast, user, room)
+    settings = Settings(redis_url=redis_url, secret="x")
+    client = aioredis.from_url(redis_url)
+    store = Store(Backend.of(client, settings), settings)
+    assert fast.proc is not None
+    try:
+        async with connect(fast.url(user)) as ws:
+            for room in rooms:
+                await ws.subscribe(room)
+            await assert_usable(ws, "before")
+            before = write_calls(fast.proc.pid)
+            # One loop turn: one pipeline, one batch of scripts, their pushes in one read.
+            await asyncio.gather(*(
+                store.publish(room, [OutEvent(type="note", data=b'{"k":%d}' % k)])
+                for k, room in enumerate(rooms)))
+            got = [await ws.recv() for _ in rooms]
+            writes = write_calls(fast.proc.pid) - before
+            await assert_usable(ws, "after")
+    finally:
+        await store.backend.aclose()
+    assert [f["chat_id"] for f in got] == rooms  # every frame, in publish order
+    assert [f["data"]["k"] for f in got] == list(range(len(rooms)))
+    assert writes < len(rooms) // 4, f"{writes} writes for {len(rooms)} frames"

@@ -27,6 +27,7 @@ from redis.exceptions import AskError, RedisError
 
 from ..config import Settings
 from .counters import REDIS
+from .link import PipelinedLink
 
 log = logging.getLogger("gateway.backend")
 
@@ -36,14 +37,43 @@ Client = aioredis.Redis | RedisCluster
 
 
 class Node:
-    """One server: its name (``host:port``, or the URL of a single server) and a client."""
+    """One server: its name (``host:port``, or the URL of a single server), a client, and
+    the pipelined connection the auto-pipeline writes its batches to."""
 
-    __slots__ = ("client", "connection_kwargs", "name")
+    __slots__ = ("_link", "_linking", "client", "connection_kwargs", "name")
 
     def __init__(self, name: str, pool: aioredis.ConnectionPool) -> None:
         self.name = name
         self.client = aioredis.Redis.from_pool(pool)
         self.connection_kwargs: dict[str, Any] = dict(pool.connection_kwargs)
+        self._link: PipelinedLink | None = None
+        self._linking: asyncio.Future[PipelinedLink] | None = None
+
+    async def link(self) -> PipelinedLink:
+        """The pipelined connection, made on first use and again once it has closed;
+        concurrent callers share one connect (and its failure)."""
+        link = self._link
+        if link is not None and link.open:
+            return link
+        if self._linking is None:
+            self._linking = asyncio.ensure_future(self._open_link())
+        return await asyncio.shield(self._linking)
+
+    async def _open_link(self) -> PipelinedLink:
+        try:
+            kwargs = dict(self.connection_kwargs, health_check_interval=0)
+            link = PipelinedLink(self.name, kwargs.get("socket_timeout"))
+            pool = self.client.connection_pool
+            await link.take_over(pool.connection_class(**kwargs))  # type: ignore[arg-type]
+            self._link = link
+            return link
+        finally:
+            self._linking = None
+
+    def close_link(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
 
     def __repr__(self) -> str:
         return f"Node({self.name})"
@@ -184,7 +214,10 @@ class Backend:
         return report
 
     async def aclose(self) -> None:
+        if self._seed is not None:
+            self._seed.close_link()
         for node in self._nodes.values():
+            node.close_link()
             await node.client.aclose()
         await self.client.aclose()
 

@@ -39,6 +39,9 @@ class Receiver(Protocol):
 
     def on_message(self, channel: bytes, data: bytes) -> None: ...
 
+    def on_messages(self, messages: list[tuple[bytes, bytes]]) -> None:
+        """Several messages that arrived together, in order."""
+
     def on_resubscribed(self, channel: bytes) -> None:
         """Subscribed again after a loss: frames published meanwhile never arrive."""
 
@@ -93,7 +96,8 @@ class Channels:
         reader = self._readers.get(node)
         if reader is None:
             reader = self._readers[node] = ShardReader(
-                node, self, self._receiver.on_message, probe=self._backend.settings.redis_timeout)
+                node, self, self._receiver.on_message, self._receiver.on_messages,
+                probe=self._backend.settings.redis_timeout)
             reader.start()
         return reader
 

@@ -4,9 +4,12 @@ redis-py sends every command on its own: a pool checkout, a socket write and a r
 and it packs each argument in Python. Under load (a reconnect storm, thousands of
 publishes a second) that per-command cost is the gateway's. Here commands queue until the
 loop turn ends and then leave together, in the order they were issued, one write per node
-(the owner of each command's first key), packed by hiredis on one pooled connection; the
-replies are read back in order. Each caller still gets its own reply or its own error: the
-pipeline is not a transaction, and one command's failure leaves the others as they were.
+(the owner of each command's first key), packed by hiredis, on the node's pipelined link
+(:mod:`.link`: batches in flight share it back to back, with no pool checkout, and its
+replies are parsed a read at a time); the replies come back in order. A batch that ends
+with ``WAIT`` takes a pooled connection instead: ``WAIT`` blocks the connection it runs on.
+Each caller still gets its own reply or its own error: the pipeline is not a transaction,
+and one command's failure leaves the others as they were.
 
 On a cluster, a command sent to a node that no longer owns its slot is refused unapplied
 (``MOVED``, ``ASK``, ``TRYAGAIN``), so it is safe to send again: the slot map is updated and
@@ -143,7 +146,10 @@ class AutoPipeline:
         if durable:
             commands.append(("WAIT", *self._wait))
         try:
-            replies = await _round_trip(node, commands)
+            if durable:  # WAIT blocks its connection: a pooled one, not the shared link
+                replies = await _round_trip(node, commands)
+            else:
+                replies = await _pipelined(node, commands)
         except Exception as exc:  # the round trip itself failed: every caller hears it
             timeout = isinstance(exc, (TimeoutError, RedisTimeoutError))
             REDIS.command_errors["timeout" if timeout else "connection"] += len(calls)
@@ -223,6 +229,14 @@ def _settle(call: _Call, reply: Any) -> None:
         call.future.set_exception(reply)
     else:
         call.future.set_result(reply)
+
+
+async def _pipelined(node: Node, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Every command in one write on the node's pipelined link; every reply, an error
+    reply as its exception object. Batches in flight share the link, in order."""
+    link = await node.link()
+    return await link.request(b"".join([hiredis.pack_command(args) for args in commands]),
+                              len(commands))
 
 
 async def _round_trip(node: Node, commands: list[tuple[Any, ...]]) -> list[Any]:

@@ -1,8 +1,11 @@
 """One pub/sub connection to one Redis node: the sharded channels this process reads there.
 
-A :class:`ShardReader` owns a raw connection in pub/sub mode. It subscribes with
+A :class:`ShardReader` owns a raw connection in pub/sub mode, read by a
+:class:`~.link.Link`: every push a read brought is parsed in one pass. It subscribes with
 ``SSUBSCRIBE`` (one command per slot, as a cluster requires, all in one write), hands each
-``smessage`` push to ``deliver`` (the hub) and reports everything else to its
+``smessage`` push to ``deliver`` (the hub), several that came in one read to
+``deliver_many`` together (so frames for one socket can leave in one write), and reports
+everything else to its
 :class:`Listener` (:mod:`.channels`), which decides what it means: a confirmation, a
 subscription the server dropped unasked (a slot moved away, a failover), a ``MOVED`` reply,
 a lost connection.
@@ -18,21 +21,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import hiredis
 from redis.crc import key_slot
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from .backend import Node
 from .counters import REDIS
+from .link import Link
 
 log = logging.getLogger("gateway.pubsub")
 
 
 Deliver = Callable[[bytes, bytes], None]  # (channel, message): a published message
+DeliverMany = Callable[[list[tuple[bytes, bytes]]], None]  # several, in order
 
 
 class Listener(Protocol):
@@ -52,19 +56,21 @@ class Listener(Protocol):
 class ShardReader:
     """Subscribes ``wanted`` on ``node`` and keeps doing so across reconnects."""
 
-    def __init__(self, node: Node, listener: Listener, deliver: Deliver, probe: float) -> None:
+    def __init__(self, node: Node, listener: Listener, deliver: Deliver,
+                 deliver_many: DeliverMany, probe: float) -> None:
         self.node = node
         self._deliver = deliver
+        self._deliver_many = deliver_many
         self.wanted: dict[bytes, None] = {}
         self.connected = False
         self._listener = listener
         self._probe = probe
-        self._connection: Any = None
+        self._link: _PubSubLink | None = None
         self._task: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
         self._last_heard = 0.0
+        self._loop = asyncio.get_running_loop()  # looked up once: on 3.11 it calls getpid()
         self._closing = False
-        self._writes: set[asyncio.Future[None]] = set()
 
     def __repr__(self) -> str:
         return f"ShardReader({self.node.name}, {len(self.wanted)} channels)"
@@ -80,7 +86,7 @@ class ShardReader:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await self._drop()
+        self._drop()
 
     # --- what to read --------------------------------------------------------------------
 
@@ -96,29 +102,24 @@ class ShardReader:
 
     def _send(self, command: str, channels: list[bytes]) -> None:
         """One command per slot (a cluster refuses channels of several slots in one), all
-        in one write. Commands leave in the order asked: each write task writes at its first
-        step (the connection has no send timeout to wrap it), and tasks start in order."""
+        in one write, made now: commands leave in the order asked."""
         if not channels or not self.connected:
             return  # the next connect subscribes to everything wanted
         by_slot: dict[int, list[bytes]] = {}
         for channel in channels:
             by_slot.setdefault(key_slot(channel), []).append(channel)
-        packed = b"".join(hiredis.pack_command((command, *group))  # type: ignore[arg-type]
-                          for group in by_slot.values())
-        self._spawn(self._write(packed))
+        self._write(b"".join(hiredis.pack_command((command, *group))  # type: ignore[arg-type]
+                             for group in by_slot.values()))
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _write(self, packed: bytes) -> None:
-        connection = self._connection
+    def _write(self, packed: bytes) -> None:
+        link = self._link
+        if link is None:
+            return
         try:
-            await connection.send_packed_command(packed, check_health=False)
-        except (ConnectionError, OSError) as exc:  # the reader notices and reconnects
+            link.write(packed)
+        except (ConnectionError, OSError, RedisError) as exc:  # the reader reconnects
             log.debug("pub/sub write to %s failed: %s", self.node.name, exc)
-            await self._drop()
+            self._drop()
 
     # --- reading -------------------------------------------------------------------------
 
@@ -126,19 +127,20 @@ class ShardReader:
         backoff = 0.05
         while not self._closing:
             try:
-                self._connection = self.node.new_connection()
-                await self._connection.connect()
+                link = _PubSubLink(self)
+                await link.take_over(self.node.new_connection())
+                self._link = link
                 self._heard()
                 self.connected = True
                 backoff = 0.05
                 self._listener.on_up(self)
                 self._send("SSUBSCRIBE", list(self.wanted))
-                await self._read()
+                await link.closed  # the link reads: it raises once the connection is lost
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 was_connected, self.connected = self.connected, False
-                await self._drop()
+                self._drop()
                 if self._closing:
                     return
                 self._listener.on_down(self, exc)
@@ -149,49 +151,68 @@ class ShardReader:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
-    async def _read(self) -> None:
-        listener, deliver = self._listener, self._deliver
-        connection = self._connection
-        while True:
-            try:
-                message = await connection.read_response(timeout=math.inf,
-                                                         disconnect_on_error=False)
-            except ResponseError as exc:  # an error reply to one of our commands
-                self._heard()
-                listener.on_refused(self, exc)
+    def on_replies(self, replies: list[Any]) -> None:
+        """Every push one read brought, in order. Published messages go out together (one
+        ``deliver_many``) between the other pushes, which the listener hears in place."""
+        self._heard()
+        listener = self._listener
+        messages: list[tuple[bytes, bytes]] = []
+        for message in replies:
+            if isinstance(message, ResponseError):  # an error reply to one of our commands
+                self._hand_out(messages)
+                listener.on_refused(self, message)
                 continue
-            self._heard()
             kind = message[0]
             if kind == b"smessage":
-                deliver(message[1], message[2])
-            elif kind == b"ssubscribe":
+                messages.append((message[1], message[2]))
+                continue
+            self._hand_out(messages)
+            if kind == b"ssubscribe":
                 listener.on_subscribed(self, message[1])
             elif kind == b"sunsubscribe" and message[1] in self.wanted:
                 # Not asked for (we dropped it from ``wanted`` before asking): the slot moved.
                 listener.on_dropped(self, message[1])
+        self._hand_out(messages)
 
-    async def _drop(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                await connection.disconnect()
+    def _hand_out(self, messages: list[tuple[bytes, bytes]]) -> None:
+        if len(messages) == 1:
+            self._deliver(*messages[0])
+        elif messages:
+            self._deliver_many(messages)
+        messages.clear()
+
+    def _drop(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
 
     # --- liveness ------------------------------------------------------------------------
 
     def _heard(self) -> None:
-        self._last_heard = asyncio.get_running_loop().time()
+        self._last_heard = self._loop.time()
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
         probe = self._probe
         while True:
             await asyncio.sleep(probe / 2)
-            if not self.connected or self._connection is None:
+            if not self.connected or self._link is None:
                 continue
             silent = loop.time() - self._last_heard
             if silent > 2 * probe:
                 log.warning("pub/sub connection to %s silent for %.1fs; dropping it",
                             self.node.name, silent)
-                await self._drop()  # the reader's pending read fails: it reconnects
+                self._drop()  # the reader's wait on the link ends: it reconnects
             elif silent > probe:
-                self._spawn(self._write(hiredis.pack_command(("PING",))))
+                self._write(hiredis.pack_command(("PING",)))
+
+
+class _PubSubLink(Link):
+    """The link of one reader: what it reads goes to the reader."""
+
+    def __init__(self, reader: ShardReader) -> None:
+        super().__init__(reader.node.name)
+        self._shard = reader
+
+    def on_replies(self, replies: list[Any]) -> None:
+        self._shard.on_replies(replies)

@@ -4,4 +4,5 @@
 ``protocol``  uvicorn's websockets-sansio protocol, extended with the fast path and a log
               that never holds a token
 ``outbound``  what a session writes through: the fast path, or plain ASGI ``send``
+``cork``      frames handed out together leave in one write per socket
 """

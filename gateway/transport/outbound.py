@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from . import cork
 from .frames import binary_frame, text_frame
 from .uvicorn_ws import GatewayWebSocketProtocol, TransportListener
 
@@ -97,17 +98,22 @@ class DirectOutbound:
     def buffered(self) -> int:
         return self._protocol.transport.get_write_buffer_size()
 
+    # Through the cork: while the hub hands out several frames at once, they are held and
+    # leave in one write (cork.py).
+
     def send_payload(self, payload: bytes) -> None:
-        self._protocol.transport.write(self._frame(payload))
+        cork.write(self._protocol.transport.write, self._frame(payload))
 
     def send_frame(self, frame: WireFrame) -> None:
-        self._protocol.transport.write(frame.wire_binary if self.binary else frame.wire_text)
+        cork.write(self._protocol.transport.write,
+                   frame.wire_binary if self.binary else frame.wire_text)
 
     def send_frames(self, frames: Sequence[WireFrame]) -> None:
         if self.binary:
-            self._protocol.transport.write(b"".join([f.wire_binary for f in frames]))
+            data = b"".join([f.wire_binary for f in frames])
         else:
-            self._protocol.transport.write(b"".join([f.wire_text for f in frames]))
+            data = b"".join([f.wire_text for f in frames])
+        cork.write(self._protocol.transport.write, data)
 
     async def wait_writable(self) -> None:
         await self._protocol.writable.wait()
