@@ -33,26 +33,26 @@ def _signed(claims: Any, header: Any = None, secret: str = SECRET) -> str:
 NOW = int(time.time())
 GOOD = issue_token(SECRET, "alice")
 HEAD, BODY, SIG = GOOD.split(".")
-MALLORY = _b64(json.dumps({"sub": "mallory", "exp": NOW + 60}).encode())
+MALLORY = _b64(json.dumps({"sub": "mallory", "exp": NOW + 3600}).encode())
 TOKENS = {
     "valid": GOOD,
     "valid service": issue_token(SECRET, "svc", role="service"),
     "expired": issue_token(SECRET, "alice", ttl=-10),
     "other secret": issue_token("t" * 32, "alice"),
-    "alg none": _signed({"sub": "a", "exp": NOW + 60}, {"alg": "none"}),
-    "alg HS512": _signed({"sub": "a", "exp": NOW + 60}, {"alg": "HS512", "typ": "JWT"}),
+    "alg none": _signed({"sub": "a", "exp": NOW + 3600}, {"alg": "none"}),
+    "alg HS512": _signed({"sub": "a", "exp": NOW + 3600}, {"alg": "HS512", "typ": "JWT"}),
     "no exp": _signed({"sub": "a"}),
-    "no sub": _signed({"exp": NOW + 60}),
+    "no sub": _signed({"exp": NOW + 3600}),
     "exp a string": _signed({"sub": "a", "exp": "soon"}),
-    "exp a float": _signed({"sub": "a", "exp": NOW + 60.5}),
-    "nbf ahead": _signed({"sub": "a", "exp": NOW + 60, "nbf": NOW + 30}),
-    "nbf past": _signed({"sub": "a", "exp": NOW + 60, "nbf": NOW - 30}),
-    "iat ahead": _signed({"sub": "a", "exp": NOW + 60, "iat": NOW + 30}),
-    "with aud": _signed({"sub": "a", "exp": NOW + 60, "aud": "x"}),
+    "exp a float": _signed({"sub": "a", "exp": NOW + 3600.5}),
+    "nbf ahead": _signed({"sub": "a", "exp": NOW + 3600, "nbf": NOW + 1800}),
+    "nbf past": _signed({"sub": "a", "exp": NOW + 3600, "nbf": NOW - 30}),
+    "iat ahead": _signed({"sub": "a", "exp": NOW + 3600, "iat": NOW + 1800}),
+    "with aud": _signed({"sub": "a", "exp": NOW + 3600, "aud": "x"}),
     "payload a list": _signed([1, 2]),
-    "sub a number": _signed({"sub": 5, "exp": NOW + 60}),
-    "sub with colon": _signed({"sub": "a:b", "exp": NOW + 60}),
-    "role admin": _signed({"sub": "a", "exp": NOW + 60, "role": "admin"}),
+    "sub a number": _signed({"sub": 5, "exp": NOW + 3600}),
+    "sub with colon": _signed({"sub": "a:b", "exp": NOW + 3600}),
+    "role admin": _signed({"sub": "a", "exp": NOW + 3600, "role": "admin"}),
     "tampered payload": f"{HEAD}.{MALLORY}.{SIG}",
     "junk in signature": f"{HEAD}.{BODY}.{SIG[:10]}!{SIG[10:]}",
     "padded signature": f"{GOOD}=",
