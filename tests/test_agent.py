@@ -490,6 +490,7 @@ async def test_demo_agent_slow_turn_stops_on_cancel(
             await ws.wait_for(lambda f: f["type"] == "delta")
         await ws.send({"type": "cancel", "chat_id": chat_id})
         frames = await until_turn_end(ws, chat_id, within=5)  # well before the 10 s
+        assert (await ws.subscribe(chat_id))["snapshot"]["title"] == "Slow answer"
     assert frames[-1]["data"]["reason"] == "cancelled"
     (message,) = of_type(frames, "message")
     assert message["data"]["cancelled"] is True
@@ -504,3 +505,4 @@ async def test_demo_agent_failure_ends_the_turn_with_error(
         await send_message(ws, chat_id, "/fail")
         frames = await until_turn_end(ws, chat_id)
     assert frames[-1]["data"]["reason"] == "error"
+    assert [t["data"]["title"] for t in of_type(frames, "title")] == ["Failure test"]

@@ -441,6 +441,43 @@ async def test_a_silently_dead_connection_is_dropped_within_10_s(start_gateway: 
         assert seqs(await take(client.events(chat_id), 1)) == [1]
 
 
+async def test_a_connection_that_dies_mid_answer_is_dropped_within_5_s(start_gateway: Any,
+                                                                       user: str,
+                                                                       chat_id: str) -> None:
+    gw = start_gateway()
+    assert gw.proc is not None
+    async with GatewayClient(gw.ws, token_factory=lambda: gw.token(user), **FAST) as client:
+        assert (client.active_ping, client.active_pong_timeout) == (2.0, 2.5)
+        await client.subscribe(chat_id)
+        events = client.events(chat_id)
+        await client.send_message(chat_id, "hello")  # a turn runs: frames are expected
+        assert "turn_start" in [e.type for e in await take(events, 3)]
+        gw.proc.send_signal(signal.SIGSTOP)  # silent: no FIN, no RST
+        loop = asyncio.get_running_loop()
+        stopped = loop.time()
+        try:
+            async with asyncio.timeout(5):
+                await client.wait_disconnected()
+        finally:
+            gw.proc.send_signal(signal.SIGCONT)
+        assert loop.time() - stopped < 5
+
+
+async def test_subscribe_without_creating(gateway: Any, user: str, chat_id: str) -> None:
+    async with GatewayClient(gateway.ws, token_factory=lambda: gateway.token(user)) as client:
+        with pytest.raises(RequestError) as refused:
+            await client.subscribe(chat_id, create=False)
+        assert refused.value.code == "not_found"
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        reply = await http.get(f"/v1/conversations/{chat_id}", headers=gateway.headers(user))
+        assert reply.status_code == 404, reply.text
+    async with GatewayClient(gateway.ws, token_factory=lambda: gateway.token(user)) as client:
+        await client.subscribe(chat_id)  # the default creates it
+        assert (await client.subscribe(chat_id + "-", create=True)).seq == 0
+    async with GatewayClient(gateway.ws, token_factory=lambda: gateway.token(user)) as client:
+        assert (await client.subscribe(chat_id, create=False)).seq == 0
+
+
 # --- gateway tail -----------------------------------------------------------------------
 
 

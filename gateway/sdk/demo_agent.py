@@ -10,7 +10,8 @@ stream), then commits it as one durable ``message``, and ends the turn. Commands
 - ``/slow``: stream for about ten seconds (cancel it to see ``turn_end`` ``reason: cancelled``);
 - ``/fail``: raise, so the worker ends the turn with ``reason: error``.
 
-The first message of an untitled conversation also gives it a title.
+The first message of an untitled conversation also gives it a title (:func:`title_for`):
+its first words, or for a command its argument or what the command does.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ SLOW_DELAY = 0.1  # /slow: 100 words, 0.1 s apart: about ten seconds
 TITLE_CHARS = 60
 ECHO_CHARS = 200
 HELP = "Try /goal <objective>, /done or /slow."
+# The title of a chat started with a command and nothing after it: what the command does.
+COMMAND_TITLES = {
+    "/goal": "New goal",
+    "/done": "Goal check",
+    "/slow": "Slow answer",
+    "/fail": "Failure test",
+}
 
 
 def make_title(text: str) -> str:
@@ -41,6 +49,19 @@ def make_title(text: str) -> str:
         title = candidate
     title = title or " ".join(text.split())[:TITLE_CHARS]
     return title[:1].upper() + title[1:]
+
+
+def title_for(text: str) -> str:
+    """The title a first message gives its chat: its first words; for a slash command, the
+    words after it ("/goal plan a trip": "Plan a trip"), or, with none, what the command
+    does ("/slow": "Slow answer", an unknown "/help": "Help")."""
+    text = " ".join(text.split())
+    if not text.startswith("/"):
+        return make_title(text)
+    command, _, rest = text.partition(" ")
+    if rest:
+        return make_title(rest)
+    return COMMAND_TITLES.get(command.lower()) or make_title(command.lstrip("/")) or "Command"
 
 
 def shorten(text: str, limit: int) -> str:
@@ -73,10 +94,8 @@ async def handle(turn: Turn) -> None:
     command, _, rest = text.partition(" ")
     meta = turn.meta or await turn.store.meta(turn.chat_id)
 
-    if meta is not None and not meta.title:
-        source = rest.strip() if command == "/goal" else text
-        if source and not source.startswith("/"):
-            await turn.title(make_title(source))
+    if meta is not None and not meta.title and text:
+        await turn.title(title_for(text))
 
     delay = WORD_DELAY
     if command == "/goal":

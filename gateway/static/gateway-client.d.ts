@@ -271,6 +271,11 @@ export interface GatewayClientOptions {
    * random 0 to reconnectJitter ms (default 500), so a pod's clients do not arrive together.
    */
   reconnectJitter?: number;
+  /**
+   * For 30 s after a 1012 (a gateway restarting, back within seconds) failed attempts wait
+   * at most this many ms (default 2000) rather than growing to maxDelay.
+   */
+  restartMaxDelay?: number;
   /** Backoff base for attempts that failed, ms (default 500). */
   initialDelay?: number;
   /** Backoff cap, ms (default 15000). */

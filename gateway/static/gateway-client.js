@@ -112,6 +112,8 @@ export const CloseCodes = Object.freeze({
  * @type {ReadonlySet<number>}
  */
 export const TERMINAL_CLOSE_CODES = Object.freeze(new Set([4001, 4003, 4004]));
+/** How long after a 1012 failed attempts keep to restartMaxDelay (ms). */
+const RESTART_WINDOW = 30000;
 /** Close codes that ask for a real backoff before the next attempt (never an instant retry). */
 const BUSY_CLOSE_CODES = new Set([4029, 1013]);
 
@@ -504,6 +506,10 @@ export class GatewayClient {
     // The first reconnect after an open socket went: a whole pod's clients at once after a
     // restart (1012) or a crash, spread over this many ms rather than all in the same one.
     this._reconnectJitter = options.reconnectJitter ?? 500;
+    // A gateway that said it restarts (1012) is back within seconds: for RESTART_WINDOW ms
+    // after one, failed attempts wait at most restartMaxDelay, not the full backoff.
+    this._restartMaxDelay = options.restartMaxDelay ?? 2000;
+    this._restartAt = 0;
     this._hiddenSince = 0;
     this._offline = false;
     /** @type {typeof fetch | null} */
@@ -815,6 +821,7 @@ export class GatewayClient {
     clearTimeout(this._timer);
     this._timer = undefined;
     this._lastClose = { code, reason };
+    if (code === CloseCodes.SERVER_RESTART) this._restartAt = Date.now();
     this._connectionLost();
     if (this._stopped) return;
     if (TERMINAL_CLOSE_CODES.has(code)) {
@@ -876,8 +883,11 @@ export class GatewayClient {
       // once, but spread, so a pod's clients do not all arrive in the same millisecond.
       delay = Math.floor(this._random() * this._reconnectJitter);
     } else {
-      // Attempts that failed: the gateway or the network is not back yet.
-      delay = backoffDelay(attempt, this._initialDelay, this._maxDelay, this._random);
+      // Attempts that failed: the gateway or the network is not back yet. Soon after a
+      // 1012 the gateway is expected back any moment: keep the waits short.
+      const restarting = this._restartAt > 0 && Date.now() - this._restartAt < RESTART_WINDOW;
+      const cap = restarting ? Math.min(this._maxDelay, this._restartMaxDelay) : this._maxDelay;
+      delay = backoffDelay(attempt, this._initialDelay, cap, this._random);
     }
     this._setState("reconnecting", { code, reason, delay, retryAt: Date.now() + delay });
     const generation = ++this._generation;
@@ -1531,6 +1541,7 @@ export class GatewayClient {
     this._timer = undefined;
     this._hello = frame;
     this._attempt = 0;
+    this._restartAt = 0;
     this._lastClose = null;
     this._startHeartbeat();
     this._setState("open", { connectionId: frame.connection_id });

@@ -326,3 +326,21 @@ test("a running turn counts as active; its turn_end makes the connection idle ag
   await sleep(400);
   assert.equal(conn.of("ping").length, pings, "idle again");
 });
+
+test("after a 1012 failed attempts keep to restartMaxDelay; other drops grow to maxDelay", async (t) => {
+  const { server, client } = await setup(t, {
+    initialDelay: 10, maxDelay: 400, restartMaxDelay: 40, reconnectJitter: 10, random: () => 0.999,
+  });
+  const waits = [];
+  client.on("state", (s) => { if (s.state === "reconnecting") waits.push(s.delay); });
+  client.connect();
+  (await server.accept(client, 1)).drop(1012, "server restarting");
+  for (let n = 2; n <= 6; n++) (await server.connection(n)).drop(1006); // still restarting
+  let conn = await server.accept(client, 7);
+  assert.deepEqual(waits, [9, 19, 39, 39, 39, 39], "capped at 40 ms while the gateway restarts");
+  waits.length = 0;
+  conn.drop(1006); // a plain drop: the full backoff
+  for (let n = 8; n <= 12; n++) (await server.connection(n)).drop(1006);
+  await server.connection(13);
+  assert.deepEqual(waits, [9, 19, 39, 79, 159, 319]);
+});

@@ -1,7 +1,7 @@
 """What the client keeps per chat: whether the application wants it subscribed, the position
 it resumes from (``seq``, ``epoch``), on which connection the server has it live or
-buffered, its open streams, its tree (nodes, head, active path), and the callers waiting
-for its ``subscribed``."""
+buffered, whether a turn runs, whether it may be created, its open streams, its tree (nodes,
+head, active path), and the callers waiting for its ``subscribed``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from .items import SubscribeResult
 
 
 class Chat:
-    __slots__ = ("buffered_gen", "desired", "dropping", "epoch", "live_gen", "resyncing", "seq",
-                 "streams", "tree", "waiters")
+    __slots__ = ("buffered_gen", "create", "desired", "dropping", "epoch", "live_gen",
+                 "resyncing", "running", "seq", "streams", "tree", "waiters")
 
     def __init__(self) -> None:
         self.desired = False  # the application wants it subscribed (resubscribed on reconnect)
@@ -28,6 +28,8 @@ class Chat:
         self.streams = OpenStreams()
         self.tree = ConversationTree()
         self.resyncing = False  # a gap in a stream: waiting for a fresh snapshot
+        self.create = True  # False: subscribe with create: false (not_found, never created)
+        self.running = False  # a turn runs: frames are expected (the watchdog listens closer)
 
 
 def check_chat_id(chat_id: str) -> None:

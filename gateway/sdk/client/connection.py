@@ -90,6 +90,8 @@ class ConnectionLoop:
     open_timeout: float
     idle_ping: float
     pong_timeout: float
+    active_ping: float
+    active_pong_timeout: float
     hello: dict[str, Any]
     connections: int
     last_close: tuple[int | None, str] | None
@@ -221,24 +223,38 @@ class ConnectionLoop:
 
     async def _watch(self, conn: Conn) -> None:
         """Ping a connection silent for ``idle_ping`` seconds; drop it (and so reconnect) when
-        nothing arrives within ``pong_timeout`` of the ping. Any frame received clears the
-        ping (``conn.pinged``), the pong or any other."""
+        nothing arrives within ``pong_timeout`` of the ping. While frames are expected (a
+        subscribed chat streams or runs a turn) the shorter ``active_ping`` and
+        ``active_pong_timeout`` apply. Any frame received clears the ping
+        (``conn.pinged``), the pong or any other."""
+        # Woken often enough to notice that a stream opened while it slept.
+        tick = min(self.active_ping, self.active_pong_timeout, self.idle_ping) / 4
         while True:
             now = time.monotonic()
+            active = self._expecting()
+            ping_after = min(self.idle_ping, self.active_ping) if active else self.idle_ping
+            pong_wait = (min(self.pong_timeout, self.active_pong_timeout) if active
+                         else self.pong_timeout)
             if conn.pinged is not None:
-                wait = conn.pinged + self.pong_timeout - now
+                wait = conn.pinged + pong_wait - now
                 if wait <= 0:
                     log.warning("no answer for %.1fs: the connection is dead; reconnecting",
                                 now - conn.heard)
                     conn.ws.transport.abort()
                     return
             else:
-                wait = conn.heard + self.idle_ping - now
+                wait = conn.heard + ping_after - now
                 if wait <= 0:
                     conn.pinged = now
                     conn.queue.put_nowait((_encode({"type": "ping"}).decode(), None))
-                    wait = self.pong_timeout
-            await asyncio.sleep(wait)
+                    wait = pong_wait
+            await asyncio.sleep(min(wait, tick))
+
+    def _expecting(self) -> bool:
+        """Frames are expected: a chat the application wants has an open stream or a
+        running turn."""
+        return any(chat.desired and (chat.running or chat.streams.by_id)
+                   for chat in self._chats.values())
 
     def _on_hello(self, ws: ClientConnection, hello: dict[str, Any]) -> Conn:
         self._gen += 1
@@ -269,6 +285,8 @@ class ConnectionLoop:
     def _send_subscribe(self, conn: Conn, chat_id: str, chat: Chat,
                         resync: bool = False) -> None:
         frame: dict[str, Any] = {"type": "subscribe", "chat_id": chat_id}
+        if not chat.create:
+            frame["create"] = False
         since = None
         if not resync and (chat.buffered_gen == conn.gen or chat.live_gen == conn.gen):
             pass  # the server has our buffer, or it is live: no replay needed
@@ -319,6 +337,7 @@ class ConnectionLoop:
                 # Live from here; a replay (if any) starts right after since.seq.
                 chat.seq = since["seq"] if since is not None else result.seq
         chat.live_gen = conn.gen
+        chat.running = result.snapshot.get("status") == "running"
         if "head" in result.snapshot:  # the head now, as of the reply's seq
             head = result.snapshot["head"]
             chat.tree.set_head(head if isinstance(head, str) else None, result.seq)
@@ -394,6 +413,8 @@ class ConnectionLoop:
                 log.warning("%s: seq jumped from %d to %d", chat_id, chat.seq, seq)
             chat.seq = seq
             chat.tree.apply(frame)
+            if kind in ("turn_start", "turn_end"):
+                chat.running = kind == "turn_start"
         else:
             seq = None
         self._items.put(chat_id, Event(chat_id, kind, seq, frame.get("ts"), frame.get("data"),

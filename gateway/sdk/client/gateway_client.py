@@ -46,6 +46,8 @@ class GatewayClient(ConnectionLoop):
         feed_max: int = 1000,
         idle_ping: float = 5.0,
         pong_timeout: float = 5.0,
+        active_ping: float = 2.0,
+        active_pong_timeout: float = 2.5,
         **connect_kwargs: Any,
     ) -> None:
         if (token is None) == (token_factory is None):
@@ -61,6 +63,10 @@ class GatewayClient(ConnectionLoop):
         # and a reconnect when nothing answers it.
         self.idle_ping = idle_ping
         self.pong_timeout = pong_timeout
+        # While a subscribed chat streams an answer or runs a turn, frames are expected: a
+        # dead connection is noticed within active_ping + active_pong_timeout (< 5 s).
+        self.active_ping = active_ping
+        self.active_pong_timeout = active_pong_timeout
         self._connect_kwargs = connect_kwargs
         self._chats: dict[str, Chat] = {}
         self._outbox = Outbox()
@@ -236,10 +242,12 @@ class GatewayClient(ConnectionLoop):
     # --- requests ---------------------------------------------------------------------
 
     async def subscribe(self, chat_id: str, *, seq: int | None = None,
-                        epoch: str | None = None) -> SubscribeResult:
+                        epoch: str | None = None, create: bool = True) -> SubscribeResult:
         """Subscribe (and keep subscribed across reconnects). ``seq``/``epoch`` resume from
         an explicit position, as ``since``. Waits for the ``subscribed`` reply (which may come
-        after a reconnect); raises :class:`RequestError` (``forbidden``, ...)."""
+        after a reconnect); raises :class:`RequestError` (``forbidden``, ...). With
+        ``create=False`` a conversation that does not exist is not created: ``not_found``
+        (kept for the chat's resubscribes)."""
         self._check_open()
         check_chat_id(chat_id)
         if (seq is None) != (epoch is None):
@@ -247,7 +255,7 @@ class GatewayClient(ConnectionLoop):
         chat = self._chat(chat_id)
         if seq is not None:
             chat.seq, chat.epoch, chat.live_gen, chat.buffered_gen = seq, epoch, None, None
-        chat.desired, chat.dropping = True, False
+        chat.desired, chat.dropping, chat.create = True, False, create
         self._items.drop_ended(chat_id)  # a new subscription: a new stream
         waiter: asyncio.Future[SubscribeResult] = asyncio.get_running_loop().create_future()
         chat.waiters.append(waiter)
