@@ -148,6 +148,7 @@ SIZES = {
     "phone": {"width": 390, "height": 844},
     "zoom200": {"width": 640, "height": 400},
 }
+BOTH = pytest.mark.parametrize("size", ["desktop", "phone"])
 
 
 def show_sidebar(page: Any) -> None:
@@ -420,9 +421,11 @@ def with_agent_inside(start_gateway: Any, tmp_path: Path) -> Iterator[GatewayPro
     server.stop()
 
 
+@BOTH
 def test_a_redelivered_answer_does_not_shrink(page: Any, with_agent_inside: GatewayProcess,
-                                             user: str) -> None:
+                                             user: str, size: str) -> None:
     gw = with_agent_inside
+    sized(page, size)
     page.add_init_script(RECORDER)
     open_app(page, gw, user)
     chat_id = new_chat(page, "/slow")
@@ -944,7 +947,6 @@ def test_second_tab_follows_every_move(page: Any, browser: Any, demo: GatewayPro
 # --- the reference client: type at once, phones, accessibility, rename and delete, links,
 # --- errors in words, no token in any URL ------------------------------------------------
 
-BOTH = pytest.mark.parametrize("size", ["desktop", "phone"])
 AXE = Path(__file__).parent / "js" / "node_modules" / "axe-core" / "axe.min.js"
 
 
@@ -1300,6 +1302,35 @@ def test_page_without_token_explains_itself(page: Any, demo: GatewayProcess) -> 
     expect(page.get_by_test_id("notice")).to_contain_text("gateway serve --dev")
     expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "closed")
     expect(page.get_by_test_id("message-input")).to_be_disabled()
+
+
+@BOTH
+def test_the_list_catches_up_after_a_reconnect(page: Any, restartable: GatewayProcess,
+                                               demo: GatewayProcess, user: str,
+                                               size: str) -> None:
+    """Feed frames sent while the page was away are not replayed: the page lists again."""
+    sized(page, size)
+    gw = restartable
+    open_app(page, gw, user)
+    chat_id = new_chat(page, "hello")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    gw.stop()
+    connection = page.get_by_test_id("connection")
+    expect(connection).not_to_have_attribute("data-state", "open", timeout=RECONNECT)
+    # Meanwhile, through another gateway on the same Redis: a new chat, and a rename.
+    made = httpx.post(f"{demo.http}/v1/conversations", json={"title": "Made while away"},
+                      headers=demo.headers(user))
+    assert made.status_code == 201, made.text
+    renamed = httpx.patch(f"{demo.http}/v1/conversations/{chat_id}",
+                          json={"title": "Renamed while away"}, headers=demo.headers(user))
+    assert renamed.status_code == 200, renamed.text
+    gw.start()
+    expect(connection).to_have_attribute("data-state", "open", timeout=RECONNECT)
+    show_sidebar(page)
+    expect(sidebar_item(page, made.json()["chat_id"]).get_by_test_id(
+        "conversation-title")).to_have_text("Made while away", timeout=TURN)
+    expect(sidebar_item(page, chat_id).get_by_test_id("conversation-title")).to_have_text(
+        "Renamed while away", timeout=TURN)
 
 
 def test_no_token_in_the_address_bar_a_console_or_a_socket_url(
