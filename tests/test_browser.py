@@ -367,7 +367,12 @@ def test_gateway_restart_mid_turn(page: Any, restartable: GatewayProcess, user: 
     # While offline the header does not claim the agent is answering.
     expect(page.get_by_test_id("chat-status")).to_have_text("waiting for the connection…")
     gw.start()
+    ready = page.evaluate("performance.now()")
     expect(connection).to_have_attribute("data-state", "open", timeout=RECONNECT)
+    # Back soon after the gateway is: after a 1012 the client retries at once, then waits
+    # at most 2 s between attempts for a while (not a back-off grown to 8 s).
+    back = page.evaluate("performance.now()") - ready
+    assert back <= 3_500, f"connected {back:.0f} ms after the gateway was ready"
     # Resumed from the last seq it had, on the new connection.
     expect(page.get_by_test_id("chat")).to_have_attribute("data-subscribe-mode", "since",
                                                           timeout=TURN)
@@ -1262,6 +1267,8 @@ def test_a_link_to_a_missing_chat_creates_nothing(page: Any, demo: GatewayProces
     listed = httpx.get(f"{demo.http}/v1/conversations", headers=demo.headers(user)).json()
     assert listed["conversations"] == []
     expect(sidebar_item(page, missing)).to_have_count(0)
+    problems = axe_problems(page, "a link to a missing chat")
+    assert not problems, "\n".join(problems)
     # Typing still works: a new chat, not that one.
     chat_id = new_chat(page, "hello")
     assert chat_id != missing
@@ -1295,6 +1302,8 @@ def test_a_refused_token_says_what_to_do(page: Any, demo: GatewayProcess, user: 
         page.clock.run_for(10_000)
         expect(notice).to_be_visible()
         expect(page.get_by_test_id("notice-close")).to_be_hidden()
+        problems = axe_problems(page, f"signed out ({words})")
+        assert not problems, "\n".join(problems)
 
 
 def test_page_without_token_explains_itself(page: Any, demo: GatewayProcess) -> None:

@@ -622,7 +622,8 @@ function describe(err) {
 function notice(text, { sticky = false } = {}) {
   const box = $("notice");
   if (box.dataset.sticky === "true" && !sticky) return; // the sign-in problem comes first
-  $("notice-text").textContent = text;
+  // `text` between backticks is a command: shown as code, never broken across lines.
+  $("notice-text").replaceChildren(...text.split("`").map((part, i) => (i % 2 ? h("code", { text: part }) : part)));
   box.dataset.sticky = String(sticky);
   $("notice-close").hidden = sticky;
   box.hidden = false;
