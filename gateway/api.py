@@ -69,6 +69,7 @@ def error_response(status: int, code: str, message: str,
 class NewConversation(msgspec.Struct, frozen=True):
     chat_id: p.ChatId | None = None
     title: p.Title | None = None
+    parent_chat_id: p.ChatId | None = None  # a sub-conversation of this one
 
 
 class Rename(msgspec.Struct, frozen=True):
@@ -166,6 +167,9 @@ class Conversation(msgspec.Struct, frozen=True):
     goal_state: p.GoalState | None
     preview: str | None
     head: str | None  # the node the next message follows (protocol.md, the tree)
+    usage: p.UsageTotals
+    message_count: int  # user messages and turns on the active path
+    parent: str | None = None  # a sub-conversation: its parent's chat_id
 
     @classmethod
     def of(cls, chat_id: str, meta: Meta) -> Conversation:
@@ -173,7 +177,13 @@ class Conversation(msgspec.Struct, frozen=True):
         return cls(chat_id, meta.owner, meta.title,
                    "running" if meta.status == "running" else "idle", meta.turn_id,
                    meta.epoch, meta.seq, meta.created_at, meta.updated_at, goal, meta.preview,
-                   meta.head)
+                   meta.head, p.UsageTotals.of(meta.usage_billed, meta.usage_active),
+                   meta.message_count, parent=meta.parent)
+
+
+class Children(msgspec.Struct, frozen=True):
+    chat_id: p.ChatId
+    children: list[p.ChildSummary]  # oldest first
 
 
 class ConversationPage(msgspec.Struct, frozen=True):
@@ -213,6 +223,9 @@ class HistoryPage(msgspec.Struct, frozen=True, omit_defaults=True):
     events: list[EventFrame]
     # view=active: every node on the active path that has siblings.
     forks: dict[str, Fork] | UnsetType = UNSET
+    # view=active: true when history was trimmed past the path's start, which then begins
+    # at the first whole exchange left.
+    trimmed: bool | UnsetType = UNSET
 
 
 class TreeNodeView(msgspec.Struct, frozen=True):
@@ -222,6 +235,8 @@ class TreeNodeView(msgspec.Struct, frozen=True):
     seq: int
     preview: str | None
     children: list[str]
+    usage: dict[str, int | float] | None  # a turn's, as its turn_end reported it
+    trimmed: bool  # its events are gone: history was trimmed past it
 
 
 class ForkLeaf(msgspec.Struct, frozen=True):
@@ -387,14 +402,20 @@ async def publish(request: Request) -> Response:
 
 @API.operation(
     "POST", "/v1/conversations", summary="Create a conversation", status=201,
-    description="Owned by the caller; a `chat_id` is made up when none is given.",
-    body=NewConversation, reply=Conversation, errors=(400, 409, 413, 422, 503),
+    description="Owned by the caller; a `chat_id` is made up when none is given. With "
+    "`parent_chat_id`, a sub-conversation of that one (its owner or a service), owned by "
+    "the parent's owner; the parent gets a `child` event.",
+    body=NewConversation, reply=Conversation, errors=(400, 403, 404, 409, 413, 422, 503),
 )
 async def create_conversation(request: Request) -> Response:
     who = _principal(request)
     spec = await _body(request, NewConversation)
     chat_id = spec.chat_id or "c_" + secrets.token_hex(8)
-    await _gateway(request).conversations.create(who, chat_id, spec.title)
+    conversations = _gateway(request).conversations
+    if spec.parent_chat_id is not None:
+        await conversations.create_child(who, spec.parent_chat_id, chat_id, spec.title)
+    else:
+        await conversations.create(who, chat_id, spec.title)
     meta = await _owned(request, who, chat_id)
     return JSONResponse(_encode(Conversation.of(chat_id, meta)), status_code=201)
 
@@ -421,6 +442,19 @@ async def get_conversation(request: Request) -> Response:
     chat_id = _chat_id(request)
     meta = await _owned(request, _principal(request), chat_id)
     return JSONResponse(_encode(Conversation.of(chat_id, meta)))
+
+
+@API.operation(
+    "GET", "/v1/conversations/{chat_id}/children",
+    summary="A conversation's sub-conversations (owner or service)",
+    description="Oldest first, each with its title and status.",
+    reply=Children, errors=(400, 403, 404, 503),
+)
+async def children(request: Request) -> Response:
+    chat_id = _chat_id(request)
+    await _owned(request, _principal(request), chat_id)
+    found = await _gateway(request).conversations.children(chat_id)
+    return JSONResponse(_encode(Children(chat_id, found)))
 
 
 @API.operation(
@@ -463,6 +497,7 @@ async def history(request: Request) -> Response:
     await _owned(request, who, chat_id)
     store = _gateway(request).store
     forks: dict[str, Fork] | UnsetType = UNSET
+    trimmed: bool | UnsetType = UNSET
     if query.view == "all":
         page = await store.read(chat_id, query.after, query.limit)
         meta, frames = page.meta, [frame for _, frame in page.frames]
@@ -473,13 +508,14 @@ async def history(request: Request) -> Response:
         frames, scanned = (path.events, path.scanned) if path is not None else ([], 0)
         forks = {node: Fork(f.siblings, f.index)
                  for node, f in path.forks.items()} if path is not None else {}
+        trimmed = path.trimmed if path is not None else False
     if meta is None:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
     next_after = scanned if frames and scanned < meta.seq else None
     # The stored frames are EventFrame JSON already: spliced in as they are, not re-encoded.
     events = cast("list[EventFrame]", [msgspec.Raw(frame) for frame in frames])
     return JSONResponse(_encode(HistoryPage(chat_id, meta.epoch, meta.seq, next_after,
-                                            meta.head, events, forks)))
+                                            meta.head, events, forks, trimmed)))
 
 
 @API.operation(
@@ -496,7 +532,7 @@ async def tree(request: Request) -> Response:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
     forks = [ForkLeaf(node_id, leaf) for node_id, leaf in found.forks()]
     nodes = [TreeNodeView(n.id, "user" if n.kind == "user" else "turn", n.parent_id, n.seq,
-                          n.preview, n.children) for n in found.nodes]
+                          n.preview, n.children, n.usage, n.trimmed) for n in found.nodes]
     return JSONResponse(_encode(TreeView(chat_id, found.head, found.roots, forks, nodes)))
 
 

@@ -218,6 +218,22 @@ class Conversations:
         if clean is not None:
             await self.rename(who, chat_id, clean)
 
+    async def create_child(self, who: Principal, parent: str, chat_id: str,
+                           title: str | None) -> None:
+        """Create a sub-conversation of ``parent`` (its owner's or a service's to open),
+        owned by the parent's owner (:meth:`Store.open_child`)."""
+        clean = clean_title(title) if title is not None else None
+        await self.store.open_child(parent, chat_id, clean, writer=who.writer())
+
+    async def children(self, chat_id: str,
+                       ids: list[str] | None = None) -> list[p.ChildSummary]:
+        """``chat_id``'s sub-conversations, oldest first, as its snapshot and
+        ``GET .../children`` list them; ``ids``: their ids, when read already."""
+        return [p.ChildSummary(child, meta.title,
+                               "running" if meta.status == "running" else "idle",
+                               p.UsageTotals.of(meta.usage_billed, meta.usage_active))
+                for child, meta in await self.store.children(chat_id, ids)]
+
     async def rename(self, who: Principal, chat_id: str, title: str) -> Published:
         return await self.store.publish(
             chat_id,

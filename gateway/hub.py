@@ -247,6 +247,9 @@ class Hub:
 
     async def _recheck(self, room: Room) -> None:
         """After a resubscribe: catch up, or notice that the history went backwards."""
+        # What the room had delivered before the read: the store held it then. Frames that
+        # arrive while the read is in flight may pass the state it returns.
+        delivered = room.last_seq
         try:
             meta = await self._store.meta(room.chat_id)
         except (RedisError, ConnectionError, OSError) as exc:
@@ -258,11 +261,11 @@ class Hub:
             return
         if meta is None or meta.epoch != room.epoch:
             room.history_lost("its history is gone or was replaced")
-        elif meta.seq < room.last_seq:
+        elif delivered is not None and meta.seq < delivered:
             # The same epoch, yet behind what was delivered (a failover to a replica that
             # lagged): one seq would name two events. A new epoch tells every client.
             await self._store.rotate_epoch(room.chat_id, meta.epoch)
-            room.history_lost(f"history went back from {room.last_seq} to {meta.seq}; "
+            room.history_lost(f"history went back from {delivered} to {meta.seq}; "
                               "new epoch")
         elif meta.seq > room.last_seq:
             COUNTS.gap_repairs += 1

@@ -41,8 +41,8 @@ ExpectedHead = NodeId | None | msgspec.UnsetType
 # Event types whose meaning the gateway owns: agents cannot publish them as-is.
 GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
-     "stream_discarded", "head", "hello", "subscribed", "unsubscribed", "left", "ack", "pong",
-     "error"}
+     "stream_discarded", "head", "child", "hello", "subscribed", "unsubscribed", "left",
+     "ack", "pong", "error"}
 )
 
 
@@ -168,6 +168,30 @@ class StreamSnapshot(msgspec.Struct):
     pos: int
 
 
+class UsageTotals(msgspec.Struct, frozen=True):
+    """A conversation's usage: ``billed`` sums every turn ever (it only grows), ``active``
+    the turns on the active path (it follows the head)."""
+
+    billed: dict[str, int | float] = {}
+    active: dict[str, int | float] = {}
+
+    @classmethod
+    def of(cls, billed: bytes, active: bytes) -> UsageTotals:
+        """From the meta hash's JSON fields."""
+        decode = msgspec.json.decode
+        return cls(decode(billed, type=dict[str, int | float]),
+                   decode(active, type=dict[str, int | float]))
+
+
+class ChildSummary(msgspec.Struct, frozen=True):
+    """A sub-conversation as its parent lists it."""
+
+    chat_id: str
+    title: str | None
+    status: Literal["idle", "running"]
+    usage: UsageTotals
+
+
 class Snapshot(msgspec.Struct, omit_defaults=True):
     title: str | None
     status: Literal["idle", "running"]
@@ -178,6 +202,9 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     # drain, or a subscribe to a chat that is already live).
     streams: list[StreamSnapshot] | None = None
     head: str | msgspec.UnsetType | None = msgspec.UNSET  # the node the next message follows
+    usage: UsageTotals | None = None
+    message_count: int | None = None  # user messages and turns on the active path
+    children: list[ChildSummary] | msgspec.UnsetType = msgspec.UNSET  # omitted: none
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):
@@ -239,10 +266,20 @@ class GoalState(msgspec.Struct, forbid_unknown_fields=False):
     updated_at: int | None = None
 
 
+# What a turn cost, as its agent reports it (``input_tokens``, ``output_tokens``, ``cost``,
+# or any other count): non-negative numbers, summed into the conversation's totals. The
+# bound keeps every sum exact in a double (Lua's numbers).
+USAGE_MAX = 10**15
+UsageName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,63}\Z")]
+UsageValue = (Annotated[int, msgspec.Meta(ge=0, le=USAGE_MAX)]
+              | Annotated[float, msgspec.Meta(ge=0, le=USAGE_MAX)])
+Usage = Annotated[dict[UsageName, UsageValue], msgspec.Meta(max_length=32)]
+
+
 class TurnEndData(msgspec.Struct):
     reason: Literal["complete", "cancelled", "error", "timeout"] = "complete"
     turn_id: str | None = None
-    usage: dict[str, Any] | None = None
+    usage: Usage | None = None
 
 
 class TitleData(msgspec.Struct):

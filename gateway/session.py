@@ -397,13 +397,18 @@ class Session:
             await self._sync(req, sub, req.since, overflowed=None)
             return
         # Already live and no resume asked for: confirm with the current state.
-        meta = await self.gateway.store.meta(chat_id)
+        meta, children = await self._state(chat_id)
         if meta is None:
             self._drop(chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
         self._send(p.Subscribed(chat_id, meta.epoch, meta.seq, True, 0,
-                                _snapshot(meta, self.codec.binary), req.id))
+                                _snapshot(meta, self.codec.binary, children=children), req.id))
+
+    async def _state(self, chat_id: str) -> tuple[Meta | None, list[p.ChildSummary]]:
+        """The conversation's state and its children, read in one batch."""
+        return await asyncio.gather(self.gateway.store.meta(chat_id),
+                                    self.gateway.conversations.children(chat_id))
 
     def _reset_to_syncing(self, chat_id: str, sub: Subscription) -> None:
         self._leave_direct(chat_id, sub)
@@ -426,6 +431,8 @@ class Session:
             caught = await catch_up(self.hub, chat_id, self.principal, since,
                                     self.settings.replay_limit,
                                     self.hub.mark() if joined is None else joined, create)
+            children = await self.gateway.conversations.children(
+                chat_id, caught.children) if caught.children else []
         except Rejected as exc:
             self._drop(chat_id)
             self._error(exc.code, exc.message, req)
@@ -438,7 +445,7 @@ class Session:
         COUNTS.snapshots += len(caught.streams)
         self._send(p.Subscribed(
             chat_id, meta.epoch, meta.seq, caught.recovered, len(caught.replay),
-            _snapshot(meta, self.codec.binary, snapshot(caught.streams)), req.id,
+            _snapshot(meta, self.codec.binary, snapshot(caught.streams), children), req.id,
             overflowed=overflowed,
         ))
         await self._send_paced(caught.replay)
@@ -463,14 +470,14 @@ class Session:
         sub.state = State.SYNCING
         sub.pending, sub.buffer = sub.buffer, []
         sub.buffer_bytes = 0
-        meta = await self.gateway.store.meta(req.chat_id)
+        meta, children = await self._state(req.chat_id)
         if meta is None:
             self._drop(req.chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
         COUNTS.replays[True, False] += 1
         self._send(p.Subscribed(req.chat_id, meta.epoch, meta.seq, True, 0,
-                                _snapshot(meta, self.codec.binary), req.id,
+                                _snapshot(meta, self.codec.binary, children=children), req.id,
                                 buffered=len(sub.pending), overflowed=False))
         while sub.pending:
             frames, sub.pending = sub.pending, []
@@ -539,8 +546,8 @@ class Session:
         self._send(await self.gateway.conversations.cancel(self.principal, req))
 
 
-def _snapshot(meta: Meta, binary: bool,
-              streams: list[p.StreamSnapshot] | None = None) -> p.Snapshot:
+def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None = None,
+              children: list[p.ChildSummary] | None = None) -> p.Snapshot:
     goal = None
     if meta.goal:
         # The goal is stored as JSON; a Raw is spliced into the output as is, so a
@@ -554,6 +561,9 @@ def _snapshot(meta: Meta, binary: bool,
         goal_state=goal,
         head=meta.head,
         streams=streams,
+        usage=p.UsageTotals.of(meta.usage_billed, meta.usage_active),
+        message_count=meta.message_count,
+        children=children or msgspec.UNSET,
     )
 
 

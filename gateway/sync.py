@@ -39,6 +39,7 @@ class CaughtUp(NamedTuple):
     replay: list[Frame]  # the durable frames after ``since``, in order
     streams: list[OpenStream]  # every open stream, whole
     cursor: Cursor  # where the reader stands once the replay is sent
+    children: list[str]  # the ids of its sub-conversations
 
 
 async def catch_up(hub: Hub, chat_id: str, who: Principal, since: p.Since | None,
@@ -56,7 +57,8 @@ async def catch_up(hub: Hub, chat_id: str, who: Principal, since: p.Since | None
         hub.observe(room, meta.epoch, meta.seq)
     plan = plan_replay(since, meta.epoch, meta.seq, history.frames, limit)
     return CaughtUp(meta, plan.recovered, [Frame(json, seq) for seq, json in plan.frames],
-                    history.streams, Cursor(meta.epoch, meta.seq, Floor(history.streams)))
+                    history.streams, Cursor(meta.epoch, meta.seq, Floor(history.streams)),
+                    history.children)
 
 
 def merge(cursor: Cursor, held: list[Frame]) -> list[Frame]:

@@ -31,6 +31,29 @@ async def create(gw: Any, user: str, chat_id: str, title: str | None = None) -> 
     return created
 
 
+async def open_child(gw: Any, user: str, parent: str, chat_id: str | None = None,
+                     title: str | None = None, role: str = "user") -> httpx.Response:
+    """Ask to open a sub-conversation of ``parent`` as ``user`` (with ``role``); returns the
+    response whatever its status."""
+    body: dict[str, Any] = {"parent_chat_id": parent}
+    if chat_id is not None:
+        body["chat_id"] = chat_id
+    if title is not None:
+        body["title"] = title
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        return await http.post("/v1/conversations", json=body, headers=gw.headers(user, role))
+
+
+async def children(gw: Any, user: str, chat_id: str) -> list[Frame]:
+    """``chat_id``'s sub-conversations as ``GET .../children`` lists them."""
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        resp = await http.get(f"/v1/conversations/{chat_id}/children", headers=gw.headers(user))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["chat_id"] == chat_id
+    found: list[Frame] = resp.json()["children"]
+    return found
+
+
 # --- history ----------------------------------------------------------------------------
 
 
@@ -149,3 +172,38 @@ async def publish(gw: Any, chat_id: str, *events: dict[str, Any], key: str | Non
     resp = await post_events(gw, chat_id, *events, key=key)
     assert resp.status_code == 200, resp.text
     return resp.json()
+
+
+# --- the conversation tree ------------------------------------------------------------
+
+
+async def op(ws: Client, chat_id: str, kind: str, **fields: Any) -> tuple[Frame, list[Frame]]:
+    """Send a tree operation; returns its reply and the events it appended (through its
+    ``head`` event; none when refused)."""
+    await ws.send({"type": kind, "chat_id": chat_id, **fields})
+    answer: Frame | None = None
+    events: list[Frame] = []
+    async with asyncio.timeout(5):  # the reply and the events may come in either order
+        while answer is None or (answer["type"] == "ack"
+                                 and not any(e["type"] == "head" for e in events)):
+            frame = await ws.recv()
+            if frame["type"] in ("ack", "error"):
+                answer = frame
+            elif frame.get("chat_id") == chat_id:
+                events.append(frame)
+    return answer, events
+
+
+async def end_turn(gw: Any, chat_id: str, **data: Any) -> None:
+    resp = await post_events(gw, chat_id, {"type": "turn_end", "data": data})
+    assert resp.status_code == 200, resp.text
+
+
+async def exchange(ws: Client, gw: Any, chat_id: str, text: str) -> tuple[str, str]:
+    """A message and its answer, turn ended: returns (msg_id, turn_id)."""
+    ack, _ = await message_and_reply(ws, chat_id, text)
+    assert ack["type"] == "ack", ack
+    await post_events(gw, chat_id, {"type": "message", "data": {"text": f"re: {text}"}})
+    await end_turn(gw, chat_id)
+    await ws.wait_for(lambda f: f.get("type") == "turn_end")
+    return ack["msg_id"], ack["turn_id"]

@@ -24,7 +24,7 @@ from gateway.redis.keys import room_channel
 from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port
 from .faults import until
-from .steps import message_and_reply, publish, send_message
+from .steps import children, create, message_and_reply, open_child, publish, send_message
 from .wsclient import Frame, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
@@ -125,6 +125,33 @@ async def test_tree_operations_on_every_shard(pair: list[GatewayProcess],
             assert heads[1] is None and heads[2] == first["data"]["head_id"] != heads[0]
 
 
+async def test_usage_totals_on_every_shard(pair: list[GatewayProcess],
+                                           cluster: ValkeyCluster) -> None:
+    """Usage summed in the chat's slot, through a retry, and told through the owner's feed
+    (another slot) to a device on the other gateway."""
+    a, b = pair
+    user = "usage" + uuid.uuid4().hex[:6]
+    for group in chats_on_every_shard(cluster, per_shard=1).values():
+        chat = group[0]
+        async with connect(a.url(user)) as ws, connect(b.url(user)) as follower:
+            await ws.subscribe(chat)
+            await follower.send({"type": "ping", "id": 1})  # the feed is live after a reply
+            await follower.wait_for(lambda f: f.get("type") == "pong")
+            await message_and_reply(ws, chat, "hi")
+            await publish(b, chat, {"type": "turn_end", "data": {"usage": {"output_tokens": 5}}})
+            await ws.send({"type": "retry", "chat_id": chat})
+            assert (await ws.wait_for(lambda f: f.get("type") in ("ack", "error")))["type"] == "ack"
+            await publish(a, chat, {"type": "turn_end", "data": {"usage": {"output_tokens": 7}}})
+            feed = await follower.wait_for(
+                lambda f, chat=chat: f.get("type") == "conversation" and f["chat_id"] == chat
+                and f["usage"]["billed"].get("output_tokens") == 12)
+            assert feed["usage"]["active"] == {"output_tokens": 7}
+            async with httpx.AsyncClient(base_url=b.http) as http:
+                resp = await http.get(f"/v1/conversations/{chat}", headers=b.headers(user))
+            assert resp.json()["usage"] == {"billed": {"output_tokens": 12},
+                                            "active": {"output_tokens": 7}}
+
+
 async def test_chats_on_every_shard_reach_both_gateways(
         pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
     """Each room's traffic stays on its own shard: its channel is subscribed on the primary
@@ -147,6 +174,35 @@ async def test_chats_on_every_shard_reach_both_gateways(
                     counts = client.pubsub_shardnumsub(*(room_channel(c) for c in group))
                 subscribed = [int(n) for _, n in counts]
                 assert subscribed == [2 if node.port == port else 0] * len(group), node.port
+
+
+async def test_children_on_other_shards_than_their_parent(
+        pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
+    """A parent, its child and grandchild each on a shard of its own: opened through one
+    gateway, listed and deleted through the other, every subscriber of each told."""
+    a, b = pair
+    user = "kin" + uuid.uuid4().hex[:6]
+    parent, child, grandchild = (group[0] for group in
+                                 chats_on_every_shard(cluster, per_shard=1).values())
+    await create(a, user, parent)
+    async with connect(b.url(user)) as on_b, connect(a.url(user)) as on_a:
+        await on_b.subscribe(parent)
+        assert (await open_child(a, user, parent, child, title="Sub")).status_code == 201
+        (event,) = await on_b.events(parent, 1)
+        assert event["type"] == "child" and event["data"] == {"chat_id": child, "title": "Sub"}
+        resp = await open_child(a, "agent", child, grandchild, role="service")
+        assert resp.status_code == 201 and resp.json()["owner"] == user
+        assert [c["chat_id"] for c in await children(b, user, parent)] == [child]
+        assert [c["chat_id"] for c in (await on_a.subscribe(parent))["snapshot"]["children"]
+                ] == [child]
+        for ws, chat in ((on_a, child), (on_b, grandchild)):
+            await ws.subscribe(chat)
+        async with httpx.AsyncClient(base_url=b.http, headers=b.headers(user)) as http:
+            assert (await http.delete(f"/v1/conversations/{parent}")).status_code == 204
+            gone = [(await ws.expect("deleted"))["chat_id"] for ws in (on_a, on_a, on_b, on_b)]
+            assert sorted(gone) == sorted([parent, child, parent, grandchild])
+            for chat in (parent, child, grandchild):
+                assert (await http.get(f"/v1/conversations/{chat}")).status_code == 404
 
 
 class Load:

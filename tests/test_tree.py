@@ -15,42 +15,19 @@ from gateway.redis.backend import Backend
 from gateway.redis.store import Store
 from gateway.sdk.agent import Turn
 
-from .steps import create, history, message_and_reply, post_events, reply
-from .wsclient import Client, Frame, connect
+from .steps import (
+    create,
+    end_turn,
+    exchange,
+    history,
+    message_and_reply,
+    op,
+    post_events,
+    reply,
+)
+from .wsclient import Frame, connect
 
 pytestmark = pytest.mark.anyio
-
-
-async def op(ws: Client, chat_id: str, kind: str, **fields: Any) -> tuple[Frame, list[Frame]]:
-    """Send a tree operation; returns its reply and the events it appended (through its
-    ``head`` event; none when refused)."""
-    await ws.send({"type": kind, "chat_id": chat_id, **fields})
-    answer: Frame | None = None
-    events: list[Frame] = []
-    async with asyncio.timeout(5):  # the reply and the events may come in either order
-        while answer is None or (answer["type"] == "ack"
-                                 and not any(e["type"] == "head" for e in events)):
-            frame = await ws.recv()
-            if frame["type"] in ("ack", "error"):
-                answer = frame
-            elif frame.get("chat_id") == chat_id:
-                events.append(frame)
-    return answer, events
-
-
-async def end_turn(gw: Any, chat_id: str, **data: Any) -> None:
-    resp = await post_events(gw, chat_id, {"type": "turn_end", "data": data})
-    assert resp.status_code == 200, resp.text
-
-
-async def exchange(ws: Client, gw: Any, chat_id: str, text: str) -> tuple[str, str]:
-    """A message and its answer, turn ended: returns (msg_id, turn_id)."""
-    ack, _ = await message_and_reply(ws, chat_id, text)
-    assert ack["type"] == "ack", ack
-    await post_events(gw, chat_id, {"type": "message", "data": {"text": f"re: {text}"}})
-    await end_turn(gw, chat_id)
-    await ws.wait_for(lambda f: f.get("type") == "turn_end")
-    return ack["msg_id"], ack["turn_id"]
 
 
 async def active(gw: Any, user: str, chat_id: str, view: str = "active") -> Frame:

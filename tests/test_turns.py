@@ -190,7 +190,8 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
             snap = (await late.subscribe(chat_id))["snapshot"]
             assert snap == {"title": "Trip plan", "status": "running", "turn_id": turn_id,
                             "started_at": turn_start["data"]["started_at"], "goal_state": None,
-                            "streams": [], "head": turn_id}
+                            "streams": [], "head": turn_id,
+                            "usage": {"billed": {}, "active": {}}, "message_count": 2}
 
         resp = await post_events(gateway, chat_id, {"type": "goal_state", "data": GOAL})
         assert resp.status_code == 200, resp.text
@@ -217,7 +218,8 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
         assert item["title"] == "Trip plan" and item["preview"] == "Plan Lisbon"
 
     expected = {"title": "Trip plan", "status": "idle", "turn_id": None, "started_at": None,
-                "goal_state": goal["data"], "streams": [], "head": turn_id}
+                "goal_state": goal["data"], "streams": [], "head": turn_id,
+                "usage": {"billed": {}, "active": {}}, "message_count": 2}
     async with connect(gateway.url(user)) as fresh:
         sub = await fresh.subscribe(chat_id)
         assert sub["seq"] == 6 and sub["snapshot"] == expected

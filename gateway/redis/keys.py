@@ -4,12 +4,16 @@ Every key of a conversation carries the hash tag ``{chat_id}``, so each script t
 cluster slot, and its pub/sub channel is a sharded channel in that slot: on a cluster, its
 traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``::
 
-    c:{chat}:meta        hash: owner, title, status, turn_id, started_at, goal, epoch, seq, ...
+    c:{chat}:meta        hash: owner, title, status, turn_id, started_at, goal, epoch, seq,
+                         parent (a sub-conversation: its parent's chat id), ...
     c:{chat}:stream      the event log (a Redis Stream): entry "<seq>-0", field "f" = frame
     c:{chat}:tree        hash: the conversation tree, node id -> node (lua/tree.lua)
+    c:{chat}:starts      sorted set: the seq of every user message still in the log, the
+                         turn boundaries where a trim may cut (lua/publish.lua)
     c:{chat}:text:<type> the text of the conversation's open stream of a streamed type
                          (its header is meta field st:<type>; lua/lib.lua reads it)
     c:{chat}:idem:<key>  first result of an idempotent publish or message (TTL)
+    c:{chat}:children    sorted set: the conversation's sub-conversations by creation (ms)
     c:{chat}:ev          sharded pub/sub channel of the room
     {u:<user>}:feed      sharded pub/sub channel of a user's conversation feed
     {u:<user>}:convs     sorted set: the user's conversations by last change
@@ -33,12 +37,20 @@ def tree_key(chat_id: str) -> str:
     return f"c:{{{chat_id}}}:tree"
 
 
+def starts_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:starts"
+
+
 def text_key(chat_id: str, stream_type: str) -> str:
     return f"c:{{{chat_id}}}:text:{stream_type}"
 
 
 def idem_key(chat_id: str, key: str) -> str:
     return f"c:{{{chat_id}}}:idem:{key}"
+
+
+def children_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:children"
 
 
 def room_channel(chat_id: str) -> str:

@@ -27,6 +27,7 @@ class OutEvent(msgspec.Struct, frozen=True, kw_only=True):
     title_source: str = ""  # title: who set it ("user", "agent")
     attempt: str = ""  # a streamed delta or its commit: which run of the turn sent it
     fill: bool = False  # a commit without text: it takes the stream's text
+    child: str = ""  # child: the sub-conversation's chat id
 
 
 class TreeOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,6 +85,10 @@ class Meta(msgspec.Struct, frozen=True):
     created_at: int
     updated_at: int
     head: str | None = None  # the node the next message follows
+    usage_billed: bytes = b"{}"  # JSON: every turn's usage, on every branch
+    usage_active: bytes = b"{}"  # JSON: the usage of the turns on the active path
+    message_count: int = 0  # nodes on the active path: user messages and turns
+    parent: str | None = None  # a sub-conversation: its parent's chat id
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -113,6 +118,10 @@ class Meta(msgspec.Struct, frozen=True):
             created_at=number("created_at") or 0,
             updated_at=number("updated_at") or number("created_at") or 0,
             head=text("head"),
+            usage_billed=(get("usage_billed") or "{}").encode(),
+            usage_active=(get("usage_active") or "{}").encode(),
+            message_count=number("msgs") or 0,
+            parent=text("parent"),
         )
 
 
@@ -140,6 +149,7 @@ class PathPage(msgspec.Struct, frozen=True):
     events: list[bytes]  # the frames, as stored
     scanned: int  # the last seq looked at: the next page starts after it
     forks: dict[str, Fork]
+    trimmed: bool = False  # history was trimmed past the path's start: it begins later
 
 
 class TreeNode(msgspec.Struct, frozen=True):
@@ -152,6 +162,8 @@ class TreeNode(msgspec.Struct, frozen=True):
     preview: str | None  # a user message's preview
     children: list[str]
     last_child: str | None  # the child last on the active path
+    usage: dict[str, int | float] | None = None  # a turn's, as its turn_end reported it
+    trimmed: bool = False  # its events are gone from the log (history trimmed past them)
 
 
 class Tree(msgspec.Struct, frozen=True):
@@ -190,3 +202,4 @@ class History(msgspec.Struct, frozen=True):
     streams: list[OpenStream] = []
     created: bool = False
     feed: str | None = None  # when created: the feed frame that announces it
+    children: list[str] = []  # the ids of its sub-conversations, oldest first

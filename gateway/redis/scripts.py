@@ -15,7 +15,16 @@ import msgspec
 
 from ..config import Settings
 from ..errors import Rejected
-from .keys import idem_key, log_key, meta_key, room_channel, text_key, tree_key
+from .keys import (
+    children_key,
+    idem_key,
+    log_key,
+    meta_key,
+    room_channel,
+    starts_key,
+    text_key,
+    tree_key,
+)
 from .pipeline import Script
 from .records import (
     Fork,
@@ -42,9 +51,10 @@ Call = tuple[Script, list[str], list[Any]]  # a script, its keys and its argumen
 
 
 def _conversation_keys(chat_id: str, settings: Settings) -> list[str]:
-    """The keys every conversation script gets: meta, log, tree, the text keys."""
-    return [meta_key(chat_id), log_key(chat_id), tree_key(chat_id),
-            *(text_key(chat_id, kind) for kind in settings.stream_types)]
+    """The keys every conversation script gets: meta, log, tree, starts, the text keys, and
+    the sub-conversations last."""
+    return [meta_key(chat_id), log_key(chat_id), tree_key(chat_id), starts_key(chat_id),
+            *(text_key(chat_id, kind) for kind in settings.stream_types), children_key(chat_id)]
 
 
 class _ErrorBody(msgspec.Struct, frozen=True):
@@ -55,6 +65,16 @@ class _ErrorBody(msgspec.Struct, frozen=True):
 
 class _Refusal(msgspec.Struct, frozen=True):
     error: _ErrorBody
+    owner: str | None = None  # a refused late turn_end whose usage was counted:
+    feed: str | None = None  # the feed frame that tells its owner
+
+
+class Refused(Rejected):
+    """A refusal that still changed what the owner's feed shows (a late turn_end's usage)."""
+
+    def __init__(self, code: str, message: str, owner: str, feed: str) -> None:
+        super().__init__(code, message)
+        self.owner, self.feed = owner, feed
 
 
 def script_arg(event: OutEvent) -> str:
@@ -67,6 +87,8 @@ def script_arg(event: OutEvent) -> str:
         return event.turn_id
     if kind == "title":
         return event.title_source
+    if kind == "child":
+        return event.child
     if event.durable and event.fill:
         return f"{event.attempt} fill"
     return event.attempt
@@ -132,6 +154,8 @@ class PublishScript:
         except msgspec.ValidationError:
             refusal = self._refusal(reply)
             error = refusal.error
+            if refusal.feed is not None and refusal.owner is not None:
+                raise Refused(error.code, error.message, refusal.owner, refusal.feed) from None
             raise Rejected(error.code, error.message, error.head) from None
         taken = None
         if r.message is not None:
@@ -146,6 +170,7 @@ class _ReadReply(msgspec.Struct, frozen=True):
     created: bool = False
     feed: str | None = None
     streams: list[OpenStream] = []
+    children: list[str] = []
     frames: list[tuple[int, msgspec.Raw]] = []
 
 
@@ -168,12 +193,14 @@ class ReadScript:
         return History(
             meta=Meta.from_fields(r.meta) if r.meta is not None else None,
             frames=[(seq, bytes(frame)) for seq, frame in r.frames],
-            streams=r.streams, created=r.created, feed=r.feed)
+            streams=r.streams, created=r.created, feed=r.feed, children=r.children)
 
 
 class Deleted(msgspec.Struct, frozen=True):
     owner: str | None = None  # None: there was no such conversation
     feed: str | None = None  # the feed frame that tells the owner's devices
+    parent: str = ""  # a sub-conversation's parent
+    children: list[str] = []  # the sub-conversations it had (the store deletes them)
 
 
 class DeleteScript:
@@ -193,6 +220,29 @@ class DeleteScript:
         return deleted
 
 
+class ChildCreated(msgspec.Struct, frozen=True):
+    created: bool
+    epoch: str  # the conversation's, new or existing
+    ts: int = 0
+    feed: str | None = None  # created: the feed frame that announces it
+    parent: str = ""  # not created: the existing conversation's parent ("" for none)
+
+
+class ChildScript:
+    """``child.lua``: create a sub-conversation, its meta naming its parent."""
+
+    def __init__(self) -> None:
+        self.script = load("child.lua")
+        self._decode = msgspec.json.Decoder(ChildCreated).decode
+
+    def call(self, chat_id: str, owner: str, parent: str, fresh: str) -> Call:
+        return self.script, [meta_key(chat_id)], [owner, fresh, chat_id, parent]
+
+    def decode(self, reply: bytes) -> ChildCreated:
+        created: ChildCreated = self._decode(reply)
+        return created
+
+
 class RotateScript:
     """A new epoch for a conversation that still has the given one (its history went
     backwards, so old positions must stop meaning anything). Replies nothing."""
@@ -210,6 +260,7 @@ class _PathReply(msgspec.Struct, frozen=True):
     scanned: str = "0"  # a string: cjson would round a large number
     forks: dict[str, Fork] = {}
     events: list[msgspec.Raw] = []
+    trimmed: bool = False
 
 
 class HistoryScript:
@@ -228,7 +279,8 @@ class HistoryScript:
         meta = Meta.from_fields(r.meta) if r.meta is not None else None
         if meta is None:
             return None
-        return PathPage(meta, [bytes(e) for e in r.events], int(r.scanned), r.forks)
+        return PathPage(meta, [bytes(e) for e in r.events], int(r.scanned), r.forks,
+                        r.trimmed)
 
 
 class _NodeRecord(msgspec.Struct, frozen=True):
@@ -238,11 +290,13 @@ class _NodeRecord(msgspec.Struct, frozen=True):
     c: str = ""
     l: str = ""  # noqa: E741 (tree.lua's field name)
     v: str = ""
+    u: dict[str, int | float] | None = None
 
 
 class _TreeReply(msgspec.Struct, frozen=True):
     head: str | None = None
     nodes: dict[str, str] = {}
+    first: str | None = None  # a string: cjson would round a large number
 
 
 class TreeScript:
@@ -256,7 +310,7 @@ class TreeScript:
         self._record = msgspec.json.Decoder(_NodeRecord).decode
 
     def call(self, chat_id: str) -> Call:
-        return self.script, [meta_key(chat_id), tree_key(chat_id)], []
+        return self.script, [meta_key(chat_id), tree_key(chat_id), log_key(chat_id)], []
 
     def decode(self, reply: bytes) -> Tree | None:
         r = self._decode(reply)
@@ -264,10 +318,12 @@ class TreeScript:
             return None
         records = {node_id: self._record(raw) for node_id, raw in r.nodes.items()}
         root = records.pop(self.ROOT, _NodeRecord())
+        first = int(r.first) if r.first is not None else 0
         nodes = sorted((TreeNode(
             id=node_id, kind=rec.k, parent_id=rec.p or None, seq=rec.s,
             preview=rec.v or None, children=[c for c in rec.c.split(",") if c],
-            last_child=rec.l or None) for node_id, rec in records.items()),
+            last_child=rec.l or None, usage=rec.u, trimmed=rec.s < first)
+            for node_id, rec in records.items()),
             key=lambda n: n.seq)
         return Tree(head=r.head or None, nodes=nodes,
                     roots=[c for c in root.c.split(",") if c], last_root=root.l or None)

@@ -13,20 +13,24 @@ import secrets
 from time import perf_counter
 from typing import Any
 
+import msgspec
 from redis.exceptions import RedisError
 
 from ..config import Settings
 from ..errors import Rejected
 from .backend import Backend
 from .counters import REDIS
-from .keys import feed_channel, index_key, meta_key
+from .keys import children_key, feed_channel, index_key, meta_key
 from .pipeline import AutoPipeline
 from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
 from .scripts import (
+    ChildScript,
+    Deleted,
     DeleteScript,
     HistoryScript,
     PublishScript,
     ReadScript,
+    Refused,
     RotateScript,
     TreeScript,
 )
@@ -85,6 +89,7 @@ class Store:
         self._publish = PublishScript(settings)
         self._read = ReadScript(settings)
         self._delete = DeleteScript(settings)
+        self._child = ChildScript()
         self._rotate = RotateScript()
         self._path = HistoryScript()
         self._tree = TreeScript()
@@ -125,6 +130,8 @@ class Store:
             return result
         except Rejected as exc:
             REDIS.publish_errors[exc.code] += 1
+            if isinstance(exc, Refused):  # the list's order stands: only the totals moved
+                await self.pipeline.execute("SPUBLISH", feed_channel(exc.owner), exc.feed)
             raise
         except (RedisError, OSError):
             REDIS.publish_errors["backend_unavailable"] += 1
@@ -184,14 +191,82 @@ class Store:
         return Meta.from_fields(_text_fields(reply))
 
     async def delete(self, chat_id: str) -> str | None:
-        """Delete a conversation; returns its former owner, or None if it did not exist."""
+        """Delete a conversation and its sub-conversations, theirs too; returns its former
+        owner, or None if it did not exist.
+
+        Children go first, then the parent: a crash part-way leaves the parent, listing the
+        children not yet deleted, and the same delete again finishes it. A child opened
+        while this runs is in the parent's last reply: it goes right after.
+        """
+        deleted = await self._delete_family(chat_id)
+        if deleted.parent:  # a child deleted on its own: its parent stops listing it
+            await self.pipeline.execute("ZREM", children_key(deleted.parent), chat_id)
+        return deleted.owner
+
+    async def _delete_family(self, chat_id: str) -> Deleted:
+        first = await self._child_ids(chat_id)
+        await asyncio.gather(*(self._delete_family(child) for child in first))
         reply, replicas = await self.pipeline.evalsha_durable(*self._delete.call(chat_id))
         deleted = self._delete.decode(reply)
-        if deleted.owner is None or deleted.feed is None:
-            return None
-        await self._tell_owner(deleted.owner, deleted.feed, "ZREM", chat_id)
-        self.check_replicated(replicas)
-        return deleted.owner
+        if deleted.owner is not None and deleted.feed is not None:
+            await self._tell_owner(deleted.owner, deleted.feed, "ZREM", chat_id)
+            self.check_replicated(replicas)
+        late = set(deleted.children) - set(first)
+        await asyncio.gather(*(self._delete_family(child) for child in late))
+        return deleted
+
+    async def _child_ids(self, chat_id: str) -> list[str]:
+        ids: list[bytes] = await self.pipeline.execute("ZRANGE", children_key(chat_id), 0, -1)
+        return [child.decode() for child in ids]
+
+    async def children(self, chat_id: str,
+                       ids: list[str] | None = None) -> list[tuple[str, Meta]]:
+        """``chat_id``'s sub-conversations, oldest first (one already deleted is left out:
+        its parent may list it until then); ``ids``: their ids, when read already."""
+        if ids is None:
+            ids = await self._child_ids(chat_id)
+        metas = await asyncio.gather(*(self.meta(child) for child in ids))
+        return [(child, meta) for child, meta in zip(ids, metas, strict=True) if meta is not None]
+
+    async def open_child(self, parent: str, chat_id: str, title: str | None, *,
+                         writer: str = "", title_source: str = "user",
+                         existing_ok: bool = False) -> None:
+        """Create ``chat_id`` as a sub-conversation of ``parent``, owned by the parent's
+        owner, and record it in the parent: a durable ``child`` event. ``writer`` is the
+        user who must own the parent ("" for a service); ``title`` is clean already.
+
+        The child is written first, then the parent (two slots): a crash in between leaves
+        a child its parent does not list, never a parent listing a child that does not
+        exist. A parent deleted meanwhile (``not_found``; ``forbidden`` if another user
+        recreated it): the new child is deleted and the refusal raised. With
+        ``existing_ok``, a ``chat_id`` that is ``parent``'s child already is no conflict:
+        what is left is done, once (a redelivered turn opening its child again).
+        """
+        found = await self.meta(parent)
+        if found is None:
+            raise Rejected("not_found", f"conversation {parent!r} does not exist")
+        if writer and writer != found.owner:
+            raise Rejected("forbidden", "conversation belongs to another user")
+        made = self._child.decode(await self.pipeline.evalsha(
+            *self._child.call(chat_id, found.owner, parent, self._new_epoch())))
+        if made.created and made.feed is not None:
+            await self._tell_owner(found.owner, made.feed, "ZADD", made.ts, chat_id)
+        elif not (existing_ok and made.parent == parent):
+            raise Rejected("conflict", f"conversation {chat_id!r} already exists")
+        # Keyed by the child's epoch: once per child, and again for a child recreated later
+        # under the same id (idempotency keys outlive a deletion).
+        try:
+            if title is not None:
+                await self.publish(chat_id, [OutEvent(type="title", data=title.encode(),
+                                                      title_source=title_source)],
+                                   idempotency_key=f"child:{made.epoch}")
+            await self.publish(parent, [OutEvent(
+                type="child", data=msgspec.json.encode({"chat_id": chat_id, "title": title}),
+                child=chat_id)], writer=writer, idempotency_key=f"child:{chat_id}:{made.epoch}")
+        except Rejected as exc:
+            if exc.code in ("not_found", "forbidden"):  # the parent went meanwhile
+                await self.delete(chat_id)
+            raise
 
     async def migrate_lists(self) -> int:
         """Move conversation lists kept under the layout before per-user hash tags

@@ -61,7 +61,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from ..config import Settings
 from ..errors import Rejected
-from ..events import PublishEvent, to_out_event
+from ..events import PublishEvent, clean_title, to_out_event
 from ..redis.agent_inbox import AgentInbox
 from ..redis.backend import Backend, Client
 from ..redis.records import Meta, Published
@@ -265,9 +265,30 @@ class Turn:
     async def title(self, title: str) -> Published:
         return await self.event("title", {"title": title})
 
+    async def open_child(self, title: str | None = None) -> str:
+        """Open a sub-conversation of this one (a sub-task), owned by its owner; the
+        conversation gets a durable ``child`` event. Returns the child's chat id.
+
+        The id comes from the turn and how many children it opened before, so a
+        redelivered turn opening its children again gets the same ones, each once.
+        """
+        n = self._counts.get("<child>", 0)
+        self._counts["<child>"] = n + 1
+        chat_id = f"{self.turn_id}.c{n}"
+        clean = clean_title(title) if title is not None else None
+        await self.store.open_child(self.chat_id, chat_id, clean, title_source="agent",
+                                    existing_ok=True)
+        return chat_id
+
     async def end(self, usage: dict[str, Any] | None = None,
                   reason: str = "complete") -> Published | None:
         """End this turn (``turn_end``, only if it is still the running one).
+
+        ``usage`` is what the turn cost: non-negative numbers by name, usually
+        ``input_tokens``, ``output_tokens``, ``cached_tokens`` and ``cost`` (in your
+        currency). The conversation sums them into its totals (protocol.md, "Usage"); a turn
+        that ended without its agent (cancelled by a tree operation, timed out) still has its
+        usage counted, once.
 
         A cancelled turn ends with ``reason: cancelled``. Returns None when the turn was
         already over (ended before a redelivery, timed out, conversation deleted).

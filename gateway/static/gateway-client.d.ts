@@ -68,6 +68,22 @@ export interface StreamSnapshot {
   pos: number;
 }
 
+/** What a conversation's turns cost, as their agents reported it (`input_tokens`,
+ * `output_tokens`, `cost`, ...): `billed` sums every turn ever, on every branch, and only
+ * grows; `active` sums the turns on the active path and follows the head. */
+export interface UsageTotals {
+  billed: Record<string, number>;
+  active: Record<string, number>;
+}
+
+/** A sub-conversation as its parent lists it (`snapshot.children`, `GET .../children`). */
+export interface ChildSummary {
+  chat_id: string;
+  title: string | null;
+  status: "idle" | "running";
+  usage: UsageTotals;
+}
+
 export interface Snapshot {
   title: string | null;
   status: "idle" | "running";
@@ -78,6 +94,11 @@ export interface Snapshot {
   head?: string | null;
   /** Every open stream; omitted when the connection already holds them all. */
   streams?: StreamSnapshot[];
+  usage?: UsageTotals;
+  /** User messages and turns on the active path. */
+  message_count?: number;
+  /** The conversation's sub-conversations, oldest first; omitted when it has none. */
+  children?: ChildSummary[];
 }
 
 export interface SubscribedFrame {
@@ -142,6 +163,11 @@ export interface ConversationFrame {
   last_seq: number;
   goal_state: GoalState | null;
   preview: string | null;
+  /** Absent on a deletion. */
+  usage?: UsageTotals;
+  message_count?: number;
+  /** A sub-conversation's parent (null for a top-level one); absent when deleted. */
+  parent?: string | null;
   created: boolean;
   deleted: boolean;
 }
@@ -183,6 +209,8 @@ export type TurnEndEvent = EventFrame<"turn_end", {
 export type GoalStateEvent = EventFrame<"goal_state", GoalState>;
 export type TitleEvent = EventFrame<"title", { title: string; previous: string | null; source: string }>;
 export type DeletedEvent = EventFrame<"deleted", { epoch: string; last_seq: number }>;
+/** A sub-conversation was opened (conversation-level: no `node`). */
+export type ChildEvent = EventFrame<"child", { chat_id: string; title: string | null }>;
 
 /** A page of `GET /v1/conversations/{chat_id}/events`. */
 export interface HistoryPage {

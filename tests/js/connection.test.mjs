@@ -112,8 +112,8 @@ test("a silent socket is dropped after idlePing + pongTimeout and replaced", asy
   });
   const closed = closes(client);
   client.connect();
+  const opened = Date.now(); // before the hello: the client hears it later, never earlier
   const conn = await server.accept(client, 1);
-  const opened = Date.now();
   const ping = await conn.next("ping", 2000);
   assert.equal(typeof ping.id, "number");
   assert.deepEqual(await closed.next("the watchdog"), { code: 1006, reason: "no answer to ping", terminal: false });

@@ -1,10 +1,13 @@
 -- Delete one conversation: tell its room and its owner's feed, then drop its keys.
 -- gateway/redis/scripts.py (DeleteScript) builds the arguments and decodes the reply.
 --
--- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4..] the text keys
+-- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4] the turn starts,
+-- KEYS[5..] the text keys, and last the sub-conversations (a sorted set)
 -- ARGV[1] room channel, ARGV[2] chat id
--- Replies {"owner", "feed": the feed frame that announces the deletion}, or {} when the
--- conversation does not exist.
+-- Replies {"owner", "feed": the feed frame that announces the deletion, "parent" (a
+-- sub-conversation's), "children": the sub-conversations it had}, or {} when the
+-- conversation does not exist. Its children are the store's to delete: they live in
+-- other slots.
 
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return '{}' end
@@ -12,10 +15,14 @@ local now = now_ms()
 local chat = cjson.encode(ARGV[2])
 local epoch = redis.call('HGET', KEYS[1], 'epoch')
 local seq = redis.call('HGET', KEYS[1], 'seq')
+local parent = redis.call('HGET', KEYS[1], 'parent') or ''
+local children = redis.call('ZRANGE', KEYS[#KEYS], 0, -1)
 redis.call('DEL', unpack(KEYS))
 redis.call('SPUBLISH', ARGV[1], envelope(nil, nil, nil, nil,
   '{"type":"deleted","chat_id":' .. chat .. ',"seq":null,"ts":' .. now ..
   ',"data":{"epoch":' .. cjson.encode(epoch) .. ',"last_seq":' .. seq .. '}}'))
-return cjson.encode({owner = owner, feed = '{"type":"conversation","chat_id":' .. chat ..
+return cjson.encode({owner = owner, parent = parent,
+  children = #children > 0 and children or nil,
+  feed = '{"type":"conversation","chat_id":' .. chat ..
   ',"title":null,"status":"idle","updated_at":' .. now .. ',"last_seq":' .. seq ..
   ',"goal_state":null,"preview":null,"created":false,"deleted":true}'})

@@ -9,7 +9,9 @@
 -- Replies {"meta", "scanned" (the last seq looked at, as a string), "forks": {node id: {"siblings",
 -- "index"}} (left out when none), "events": [frame, ...]}, or {} when the conversation
 -- does not exist. Events stored before the tree (no node field) count as the
--- conversation's own.
+-- conversation's own. When history was trimmed past a node of the path, the page starts at
+-- the first user message after the last such node (never an answer without its question)
+-- and the reply has "trimmed": true.
 
 local m = load_meta(KEYS[1])
 if not m then return '{}' end
@@ -17,11 +19,24 @@ local log, tree = KEYS[2], KEYS[3]
 local after, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local tip = ARGV[3] ~= '' and ARGV[3] or (m.head or '')
 local path, on_path = path_to(tree, tip)
+local oldest = redis.call('XRANGE', log, '-', '+', 'COUNT', 1)[1]
+local first = oldest and tonumber(string.match(oldest[1], '^(%d+)')) or (tonumber(m.seq) + 1)
+local keep_from = nil  -- the path's index of its first whole exchange
+for i, id in ipairs(path) do
+  if on_path[id].s < first then keep_from = nil
+  elseif not keep_from and on_path[id].k == 'user' then keep_from = i end
+end
+local trimmed = #path > 0 and on_path[path[1]].s < first
+if trimmed then
+  for i, id in ipairs(path) do
+    if not keep_from or i < keep_from then on_path[id] = nil end
+  end
+end
 
 local forks, any = {}, false
 for _, id in ipairs(path) do
   local node = on_path[id]
-  local siblings = children(node_get(tree, node.p ~= '' and node.p or ROOT))
+  local siblings = node and children(node_get(tree, node.p ~= '' and node.p or ROOT)) or {}
   if #siblings > 1 then
     local index = 0
     for i, sibling in ipairs(siblings) do
@@ -51,7 +66,7 @@ while #events < limit and scanned < tonumber(m.seq) do
   end
 end
 
-local reply = {meta = m, scanned = whole(scanned)}
+local reply = {meta = m, scanned = whole(scanned), trimmed = trimmed or nil}
 if any then reply.forks = forks end
 local json = cjson.encode(reply)
 if #events == 0 then return json end

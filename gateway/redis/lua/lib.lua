@@ -52,6 +52,17 @@ local function stream_header(s)
   return s.id .. ' ' .. s.turn .. ' ' .. s.pos .. ' ' .. s.attempt
 end
 
+-- Usage totals (meta fields usage_billed, usage_active): JSON objects of summed numbers.
+local function usage_decode(raw)
+  if not raw or raw == '' then return {} end
+  return cjson.decode(raw)
+end
+
+local function usage_add(total, usage)
+  for name, value in pairs(usage) do total[name] = (total[name] or 0) + value end
+  return total
+end
+
 -- The pub/sub envelope of every room frame: "<epoch>|<seq>|<stream id>:<pos>|<frame>",
 -- the parts that do not apply left empty. The one writer; gateway/redis/envelope.py is
 -- the one reader.
@@ -70,5 +81,9 @@ local function announce(chat, m, now, created)
     ',"goal_state":' .. (m.goal ~= '' and m.goal or 'null') ..
     ',"preview":' .. (m.preview ~= '' and cjson.encode(m.preview) or 'null') ..
     ',"head":' .. ((m.head or '') ~= '' and cjson.encode(m.head) or 'null') ..
+    ',"usage":{"billed":' .. ((m.usage_billed or '') ~= '' and m.usage_billed or '{}') ..
+    ',"active":' .. ((m.usage_active or '') ~= '' and m.usage_active or '{}') .. '}' ..
+    ',"message_count":' .. (m.msgs or '0') ..
+    ',"parent":' .. ((m.parent or '') ~= '' and cjson.encode(m.parent) or 'null') ..
     ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}'
 end

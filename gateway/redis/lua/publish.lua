@@ -2,10 +2,13 @@
 -- gateway/redis/scripts.py (PublishScript) builds these arguments and decodes the reply.
 --
 -- KEYS[1] meta hash, KEYS[2] event log (a Redis Stream), KEYS[3] the tree (tree.lua)
--- KEYS[4 .. 3+k] the text key of each streamed type, in ARGV[9]'s order
--- KEYS[4+k] idempotency key (optional)
+-- KEYS[4] the turn starts: the seq of every user message still in the log
+-- KEYS[5 .. 4+k] the text key of each streamed type, in ARGV[9]'s order
+-- KEYS[5+k] the sub-conversations (a sorted set: chat id -> created ms)
+-- KEYS[6+k] idempotency key (optional)
 -- ARGV[1] room channel (a sharded channel in the conversation's slot)
--- ARGV[2] log max length      ARGV[3] idempotency ttl (s)
+-- ARGV[2] log max length (trimmed at turn boundaries)
+-- ARGV[3] idempotency ttl (s)
 -- ARGV[4] owner to create the conversation for when it does not exist ("" = must exist)
 -- ARGV[5] a fresh unique name: the epoch of a newly created conversation, and the prefix of
 --         the id of a stream this batch opens
@@ -24,10 +27,15 @@
 --   turn_start    the new turn's id; needs an idle conversation
 --   turn_end      the turn it ends, or "" for the running one; data {"reason":..} gets
 --                 turn_id, latency_ms and the goal_state snapshot spliced in; every stream
---                 still open is committed first, as a durable partial event
+--                 still open is committed first, as a durable partial event; its
+--                 data's usage is kept on the turn's node and added to the totals
+--                 (meta usage_billed; usage_active when the turn is on the active path).
+--                 Alone in a batch, a turn_end for a turn already over is refused, but
+--                 its usage is counted (once per turn) and the refusal carries the feed.
 --   cancel_requested  the turn it cancels, or "" for the running one; needs a running turn
 --   goal_state    (none) data is stored as the conversation's goal snapshot
 --   title         the title's source; data is the new title (raw text)
+--   child         the sub-conversation's chat id, added to KEYS[5+k]; data {chat_id, title}
 --   a streamed type (ephemeral, while a turn runs)  the run's attempt: the delta joins its
 --                 type's open stream ("stream":{"id","pos"}), or opens one; an open stream
 --                 of another attempt is discarded first
@@ -44,12 +52,13 @@
 -- and its turn under it; `retry` a new turn answering the head turn's message; `edit` a
 -- new user message beside the one it replaces, and its turn; `undo` moves the head to the
 -- parent of the path's last user message; `switch` to the leaf last active under a node.
--- The head moves to the new turn (or there), as one durable `head` event after the rest.
+-- The head moves to the new turn (or there), as one durable `head` event after the rest;
+-- meta msgs (the active path's node count) and usage_active follow it.
 -- With a turn running and ARGV[13] = "1", that turn ends first (reason cancelled, its open
 -- streams committed as partials on its branch).
 --
 -- Every durable event of a node is stored with its node id (log field "n"; "" for the
--- conversation-level types title, goal_state and head) and its frame carries "node".
+-- conversation-level types title, goal_state, head and child) and its frame carries "node".
 --
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
@@ -57,7 +66,8 @@
 -- turn a cancel: true ended), "message" (retry and undo: {msg_id, seq, frame} of the
 -- message answered again or taken back), "msg_id" (the user
 -- message this batch added), "feed" (the feed
--- frame to announce, when listed)} or {"error": {"code", "message", "head"}}. The feed lives in the owner's slot: the store
+-- frame to announce, when listed)} or {"error": {"code", "message", "head"}, and "owner"
+-- and "feed" when a refused late turn_end's usage was counted}. The feed lives in the owner's slot: the store
 -- publishes it after the script. Every durable event is stored as entry "<seq>-0".
 
 local meta, log = KEYS[1], KEYS[2]
@@ -68,20 +78,25 @@ local max_text = tonumber(ARGV[10])
 local base = 17  -- ARGV index of the first event
 local op, expected, cancel, target, by, msg_id =
   ARGV[11], ARGV[12], ARGV[13] == '1', ARGV[14], ARGV[15], ARGV[16]
-local tree = KEYS[3]
+local tree, starts = KEYS[3], KEYS[4]
 
 local text_key, commit_type, streamed_type = {}, {}, {}
 local k = 0
 for typ in string.gmatch(ARGV[9], '[^,]+') do
   k = k + 1
-  text_key[typ] = KEYS[3 + k]
+  text_key[typ] = KEYS[4 + k]
   local commit = typ == 'delta' and 'message' or string.sub(typ, 1, -7)
   commit_type[typ], streamed_type[commit] = commit, typ
 end
-local idem = KEYS[4 + k]
+local children = KEYS[5 + k]
+local idem = KEYS[6 + k]
 
+local m_owner = nil
+local late_feed = nil  -- a refused late turn_end's usage was counted: the feed tells it
 local function refuse(code, message, head)
-  return cjson.encode({error = {code = code, message = message, head = head}})
+  local reply = {error = {code = code, message = message, head = head}}
+  if late_feed then reply.owner, reply.feed = m_owner, late_feed end
+  return cjson.encode(reply)
 end
 
 -- The batch's events: {type, durable, data, arg}; a cancel puts a turn_end in front.
@@ -161,6 +176,35 @@ local function delta_text(data)
   return ''
 end
 
+-- The usage a turn_end's data reports (a table, maybe empty). The gateway validated it.
+local function usage_of(data)
+  local ok, decoded = pcall(cjson.decode, data)
+  if ok and type(decoded) == 'table' and type(decoded.usage) == 'table' then
+    return decoded.usage
+  end
+  return {}
+end
+
+-- A turn_end that comes after its turn ended (cancelled by a tree operation, or timed out)
+-- is refused, but what the turn cost was paid for: count it, once per turn.
+local function count_late_usage(turn_id, data)
+  local node = turn_id ~= '' and node_get(tree, turn_id)
+  local usage = usage_of(data)
+  if not node or node.k ~= 'turn' or node.u or next(usage) == nil then return false end
+  node.u = usage
+  node_put(tree, turn_id, node)
+  m.usage_billed = cjson.encode(usage_add(usage_decode(m.usage_billed), usage))
+  local _, on_path = path_to(tree, m.head or '')
+  local fields = {'usage_billed', m.usage_billed}
+  if on_path[turn_id] then
+    m.usage_active = cjson.encode(usage_add(usage_decode(m.usage_active), usage))
+    fields[3], fields[4] = 'usage_active', m.usage_active
+  end
+  redis.call('HSET', meta, unpack(fields))
+  m_owner, late_feed = m.owner, announce(chat, m, now, false)
+  return true
+end
+
 -- The tree operation's preconditions, against the state before the batch.
 local head_before = m.head or ''
 local new_head, cause = nil, op
@@ -232,9 +276,13 @@ for i = 0, n - 1 do
     status, turn = 'running', arg
     started = arg
   elseif typ == 'turn_end' or typ == 'cancel_requested' then
-    if status ~= 'running' then return refuse('no_active_turn', 'no turn is running') end
+    local over = status ~= 'running' or (arg ~= '' and arg ~= turn)
+    local counted = over and typ == 'turn_end' and n == 1 and count_late_usage(arg, data)
+    local note = counted and '; its usage was counted' or ''
+    if status ~= 'running' then return refuse('no_active_turn', 'no turn is running' .. note) end
     if arg ~= '' and arg ~= turn then
-      return refuse('turn_mismatch', 'turn ' .. arg .. ' is not the running turn ' .. turn)
+      return refuse('turn_mismatch', 'turn ' .. arg .. ' is not the running turn ' .. turn ..
+                    note)
     end
     if typ == 'turn_end' then
       status, turn = 'idle', ''
@@ -268,7 +316,7 @@ local touched = {}  -- stream headers to write back
 local opened = 0
 local started_or_cancelled = nil
 local message_node = nil  -- the user_message this batch added
-local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true}
+local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true, child = true}
 
 -- The node a durable event belongs to ("" for the conversation itself).
 local function node_of(typ, arg)
@@ -285,7 +333,7 @@ local function emit(typ, durable, data, stream_part, node)
     node = node or ''
     if node ~= '' then head = head .. ',"node":' .. cjson.encode(node) end
     local frame = head .. ',"seq":' .. seq .. ',"ts":' .. now .. ',"data":' .. data .. '}'
-    redis.call('XADD', log, 'MAXLEN', '~', maxlen, seq .. '-0', 'f', frame, 'n', node)
+    redis.call('XADD', log, seq .. '-0', 'f', frame, 'n', node)
     redis.call('SPUBLISH', channel, envelope(m.epoch, seq, nil, nil, frame))
     return seq
   end
@@ -341,6 +389,19 @@ for i = 0, n - 1 do
       end
       if m['full:' .. streamed] then close_stream(streamed) end
     end
+    local usage = usage_of(data)
+    if next(usage) ~= nil then
+      local node = node_get(tree, m.turn_id)
+      if node then
+        node.u = usage
+        node_put(tree, m.turn_id, node)
+      end
+      m.usage_billed = cjson.encode(usage_add(usage_decode(m.usage_billed), usage))
+      -- The running turn is the head (a tree operation ends it before moving the head).
+      if m.turn_id == (m.head or '') then
+        m.usage_active = cjson.encode(usage_add(usage_decode(m.usage_active), usage))
+      end
+    end
     local latency = now - tonumber(m.started_at)
     local goal = m.goal ~= '' and m.goal or 'null'
     data = '{"turn_id":' .. cjson.encode(m.turn_id) .. ',"latency_ms":' .. latency ..
@@ -359,6 +420,8 @@ for i = 0, n - 1 do
            ',"source":' .. cjson.encode(arg) .. '}'
     m.title = ARGV[base + 2 + i * 4]
     listed, changed = true, true
+  elseif typ == 'child' then
+    redis.call('ZADD', children, now, arg)
   elseif text_key[typ] and not durable and m.status == 'running' then
     local s = open_stream(m, typ)
     if s and (s.turn ~= m.turn_id or s.attempt ~= arg) then
@@ -395,6 +458,7 @@ for i = 0, n - 1 do
   if i >= (cancelled and 1 or 0) then seqs[#seqs + 1] = at end  -- not the cancel's turn_end
   if typ == 'user_message' then
     node_add(tree, msg_id, 'user', parent_of_message, at, arg)
+    redis.call('ZADD', starts, at, at)
   elseif typ == 'turn_start' then
     node_add(tree, arg, 'turn', answered and op == 'retry' and answered.msg_id or message_node or '', at, '')
   end
@@ -409,6 +473,9 @@ end
 if new_head ~= nil and new_head ~= head_before then
   mark_active(tree, new_head)
   m.head = new_head
+  m.msgs = tostring(depth(tree, new_head))
+  -- A message grows the path by itself and a turn with no usage yet: the total stands.
+  if op ~= 'message' then m.usage_active = cjson.encode(path_usage(tree, new_head)) end
   if op == 'undo' or op == 'switch' then
     local _, last = last_user(tree, new_head)
     m.preview = last and last.v or ''
@@ -418,6 +485,29 @@ if new_head ~= nil and new_head ~= head_before then
        cjson.encode(by) .. '}', nil, '')
   listed, changed = true, true
 end
+
+-- History is trimmed at turn boundaries only: what is kept starts with a user message.
+-- The cut is the first user message an exact trim to ARGV[2] events would keep; inside a
+-- turn longer than that, the turn's own start (what is kept then passes the bound by at
+-- most that turn's events). A log with no user message is cut exactly.
+local function trim()
+  if redis.call('XLEN', log) <= maxlen then return end
+  local exact = seq - maxlen + 1
+  if redis.call('EXISTS', starts) == 0 and (m.head or '') ~= '' then
+    -- a tree from before the turn starts were kept: index its user messages once
+    local flat = redis.call('HGETALL', tree)
+    for i = 1, #flat, 2 do
+      local node = cjson.decode(flat[i + 1])
+      if node.k == 'user' and node.s then redis.call('ZADD', starts, node.s, node.s) end
+    end
+  end
+  local cut = redis.call('ZRANGEBYSCORE', starts, exact, '+inf', 'LIMIT', 0, 1)[1]
+    or redis.call('ZREVRANGEBYSCORE', starts, '(' .. exact, '-inf', 'LIMIT', 0, 1)[1]
+    or exact
+  redis.call('XTRIM', log, 'MINID', cut .. '-0')
+  redis.call('ZREMRANGEBYSCORE', starts, '-inf', '(' .. cut)
+end
+if seq ~= tonumber(m.seq) then trim() end
 
 -- Ephemeral-only batches (plain deltas: the hot path) leave the state untouched.
 if seq ~= tonumber(m.seq) or changed then

@@ -3,8 +3,9 @@
 -- chat creates it). gateway/redis/scripts.py (ReadScript) builds the arguments and decodes
 -- the reply.
 --
--- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4 .. 3+k] the text key of
--- each streamed type, in ARGV[6]'s order
+-- KEYS[1] meta hash, KEYS[2] event log, KEYS[3] the tree, KEYS[4] the turn starts,
+-- KEYS[5 .. 4+k] the text key of each streamed type, in ARGV[6]'s order, KEYS[5+k] the
+-- sub-conversations
 -- ARGV[1] seq to read after ("" = the state only), ARGV[2] most frames to return
 -- ARGV[3] owner to create the conversation for when it does not exist ("" = do not)
 -- ARGV[4] epoch for a new conversation, ARGV[5] chat id, ARGV[6] streamed types,
@@ -12,7 +13,8 @@
 --
 -- Replies {"meta": the meta hash (absent when the conversation does not exist),
 -- "created", "feed" (when created: the feed frame that announces it),
--- "streams": [{"type", "id", "turn_id", "pos", "text"}], "frames": [[seq, frame], ...]}.
+-- "streams": [{"type", "id", "turn_id", "pos", "text"}], "children": [chat id, ...],
+-- "frames": [[seq, frame], ...]}.
 -- The frames are spliced in as they are stored (JSON already), not encoded again.
 
 local m = load_meta(KEYS[1])
@@ -31,10 +33,12 @@ for typ in string.gmatch(ARGV[6], '[^,]+') do
   local s = open_stream(m, typ)
   if s then
     streams[#streams + 1] = {type = typ, id = s.id, turn_id = s.turn, pos = s.pos,
-                             text = redis.call('GET', KEYS[3 + k]) or ''}
+                             text = redis.call('GET', KEYS[4 + k]) or ''}
   end
 end
 if #streams > 0 then reply.streams = streams end
+local children = redis.call('ZRANGE', KEYS[5 + k], 0, -1)
+if #children > 0 then reply.children = children end
 local json = cjson.encode(reply)
 if ARGV[1] == '' then return json end
 local entries = redis.call('XRANGE', KEYS[2], '(' .. ARGV[1] .. '-0', '+', 'COUNT', ARGV[2])

@@ -4,7 +4,8 @@
 -- Nodes are user messages (kind "user", id = msg_id) and turns (kind "turn", id =
 -- turn_id). Field <node id> holds {"k": kind, "p": parent id ("" for none), "s": seq of the
 -- node's first event, "c": child ids, comma-joined, "l": the child last on the active path,
--- "v": a user message's preview}. Field "^" is the root: {"c", "l"} of the first messages.
+-- "v": a user message's preview, "d": its depth (nodes from the root to it, itself included),
+-- "u": a turn's usage as its turn_end reported it}. Field "^" is the root: {"c", "l"} of the first messages.
 -- The conversation's head (meta field "head", "" for none) is the node the next message
 -- follows; the active path runs from the root to it.
 
@@ -28,15 +29,6 @@ local function children(node)
   return list
 end
 
--- Add a node under `parent` ("" = the root).
-local function node_add(tree, id, kind, parent, seq, preview)
-  node_put(tree, id, {k = kind, p = parent, s = seq, c = '', l = '', v = preview})
-  local pid = parent ~= '' and parent or ROOT
-  local p = node_get(tree, pid) or {c = '', l = ''}
-  p.c = (p.c ~= '' and (p.c .. ',') or '') .. id
-  node_put(tree, pid, p)
-end
-
 -- The node ids from the root down to `head`, and a set of them.
 local function path_to(tree, head)
   local up, set = {}, {}
@@ -51,6 +43,35 @@ local function path_to(tree, head)
   local path = {}
   for i = #up, 1, -1 do path[#path + 1] = up[i] end
   return path, set
+end
+
+-- How many nodes the path to `id` holds (0 for the root). Nodes made before depths were
+-- kept have none: their path is counted.
+local function depth(tree, id, node)
+  if id == '' or id == ROOT then return 0 end
+  node = node or node_get(tree, id)
+  if node and node.d then return node.d end
+  return #path_to(tree, id)
+end
+
+-- Add a node under `parent` ("" = the root).
+local function node_add(tree, id, kind, parent, seq, preview)
+  local pid = parent ~= '' and parent or ROOT
+  local p = node_get(tree, pid) or {c = '', l = ''}
+  node_put(tree, id, {k = kind, p = parent, s = seq, c = '', l = '', v = preview,
+                      d = depth(tree, pid, p) + 1})
+  p.c = (p.c ~= '' and (p.c .. ',') or '') .. id
+  node_put(tree, pid, p)
+end
+
+-- The summed usage of the turns on the path to `head`.
+local function path_usage(tree, head)
+  local total = {}
+  local _, set = path_to(tree, head)
+  for _, node in pairs(set) do
+    if node.u then usage_add(total, node.u) end
+  end
+  return total
 end
 
 -- The last user message on the path to `head` (its id and node), or nil.

@@ -1,0 +1,151 @@
+"""Usage totals: what every turn cost (``billed``, it only grows) and what the active path
+cost (``active``, it follows the head), counted once per turn whatever is replayed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from .steps import create, end_turn, exchange, message_and_reply, op, post_events, publish
+from .wsclient import Frame, connect
+
+pytestmark = pytest.mark.anyio
+
+
+async def conversation(gw: Any, user: str, chat_id: str) -> Frame:
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        resp = await http.get(f"/v1/conversations/{chat_id}", headers=gw.headers(user))
+    assert resp.status_code == 200, resp.text
+    found: Frame = resp.json()
+    return found
+
+
+async def answer(ws: Any, gw: Any, chat_id: str, text: str, usage: dict[str, Any]) -> str:
+    """A message and its answer, ended with ``usage``; returns the turn id."""
+    ack, _ = await message_and_reply(ws, chat_id, text)
+    assert ack["type"] == "ack", ack
+    await end_turn(gw, chat_id, usage=usage)
+    await ws.wait_for(lambda f: f.get("type") == "turn_end")
+    turn_id: str = ack["turn_id"]
+    return turn_id
+
+
+async def test_totals_follow_retry_switch_and_undo(gateway: Any, user: str,
+                                                   chat_id: str) -> None:
+    await create(gateway, user, chat_id)
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        first = await answer(ws, gateway, chat_id, "one",
+                             {"input_tokens": 10, "output_tokens": 5, "cost": 0.25})
+        second = await answer(ws, gateway, chat_id, "two", {"input_tokens": 20, "cost": 0.5})
+        c = await conversation(gateway, user, chat_id)
+        assert c["usage"] == {"billed": {"input_tokens": 30, "output_tokens": 5, "cost": 0.75},
+                              "active": {"input_tokens": 30, "output_tokens": 5, "cost": 0.75}}
+        assert c["message_count"] == 4
+
+        # A retry's answer was paid for as well: billed grows, active swaps the answers.
+        reply, _ = await op(ws, chat_id, "retry")
+        assert reply["type"] == "ack", reply
+        await end_turn(gateway, chat_id, usage={"input_tokens": 100})
+        await ws.wait_for(lambda f: f.get("type") == "turn_end")
+        c = await conversation(gateway, user, chat_id)
+        assert c["usage"]["billed"] == {"input_tokens": 130, "output_tokens": 5, "cost": 0.75}
+        assert c["usage"]["active"] == {"input_tokens": 110, "output_tokens": 5, "cost": 0.25}
+        assert c["message_count"] == 4
+
+        reply, _ = await op(ws, chat_id, "switch", node_id=second)
+        assert reply["type"] == "ack", reply
+        c = await conversation(gateway, user, chat_id)
+        assert c["usage"]["active"] == {"input_tokens": 30, "output_tokens": 5, "cost": 0.75}
+        assert c["usage"]["billed"] == {"input_tokens": 130, "output_tokens": 5, "cost": 0.75}
+
+        reply, _ = await op(ws, chat_id, "undo")
+        assert reply["type"] == "ack", reply
+        c = await conversation(gateway, user, chat_id)
+        assert c["head"] == first
+        assert c["usage"]["active"] == {"input_tokens": 10, "output_tokens": 5, "cost": 0.25}
+        assert c["message_count"] == 2
+
+        # A new subscriber's snapshot carries the same totals.
+        async with connect(gateway.url(user)) as other:
+            subscribed = await other.subscribe(chat_id)
+            assert subscribed["snapshot"]["usage"] == c["usage"]
+            assert subscribed["snapshot"]["message_count"] == 2
+
+
+async def test_a_replayed_turn_end_is_counted_once(gateway: Any, user: str,
+                                                   chat_id: str) -> None:
+    await create(gateway, user, chat_id)
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        await message_and_reply(ws, chat_id, "hi")
+        end = {"type": "turn_end", "data": {"usage": {"output_tokens": 7}}}
+        first = await publish(gateway, chat_id, end, key="end-1")
+        again = await publish(gateway, chat_id, end, key="end-1")
+        assert again["duplicate"] and again["seqs"] == first["seqs"]
+        # Without its key, a second turn_end finds no running turn (and no turn to name).
+        resp = await post_events(gateway, chat_id, end)
+        assert resp.status_code == 409, resp.text
+    c = await conversation(gateway, user, chat_id)
+    assert c["usage"] == {"billed": {"output_tokens": 7}, "active": {"output_tokens": 7}}
+
+
+async def test_a_turn_ended_before_its_agent_still_bills_once(gateway: Any, user: str,
+                                                              chat_id: str) -> None:
+    """A retry with ``cancel: true`` ends the running turn at once; the agent's own
+    turn_end comes later, is refused, and its usage still counts in billed (only)."""
+    await create(gateway, user, chat_id)
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        await exchange(ws, gateway, chat_id, "warm up")
+        ack, _ = await message_and_reply(ws, chat_id, "long task")
+        running = ack["turn_id"]
+        reply, _ = await op(ws, chat_id, "retry", cancel=True)
+        assert reply["type"] == "ack", reply
+
+        late = {"type": "turn_end", "data": {"turn_id": running, "usage": {"output_tokens": 40}}}
+        resp = await post_events(gateway, chat_id, late)
+        assert resp.status_code == 409, resp.text
+        assert "usage was counted" in resp.json()["error"]["message"]
+        feed = await ws.wait_for(lambda f: f.get("type") == "conversation"
+                                 and f["usage"]["billed"].get("output_tokens") == 40)
+        assert feed["usage"]["active"] == {}
+
+        # The same late report again (a redelivery) counts nothing more.
+        resp = await post_events(gateway, chat_id, late)
+        assert resp.status_code == 409, resp.text
+        assert "usage was counted" not in resp.json()["error"]["message"]
+    c = await conversation(gateway, user, chat_id)
+    assert c["usage"] == {"billed": {"output_tokens": 40}, "active": {}}
+
+
+async def test_the_feed_carries_the_totals(gateway: Any, user: str, chat_id: str) -> None:
+    await create(gateway, user, chat_id)
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        await answer(ws, gateway, chat_id, "hi", {"input_tokens": 3})
+        feed = await ws.wait_for(lambda f: f.get("type") == "conversation"
+                                 and f["status"] == "idle" and f["message_count"] == 2)
+        assert feed["usage"] == {"billed": {"input_tokens": 3}, "active": {"input_tokens": 3}}
+
+
+@pytest.mark.parametrize("usage, named", [
+    ({"input_tokens": -1}, "usage"),
+    ({"input_tokens": "12"}, "usage"),
+    ({"bad name!": 1}, "usage"),
+    ({f"n{i}": 1 for i in range(33)}, "usage"),
+    ({"cost": 10**16}, "usage"),
+])
+async def test_bad_usage_is_refused_naming_it(gateway: Any, user: str, chat_id: str,
+                                              usage: dict[str, Any], named: str) -> None:
+    await create(gateway, user, chat_id)
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        await message_and_reply(ws, chat_id, "hi")
+    resp = await post_events(gateway, chat_id, {"type": "turn_end", "data": {"usage": usage}})
+    assert resp.status_code == 400, resp.text
+    assert named in resp.json()["error"]["message"]
+    c = await conversation(gateway, user, chat_id)
+    assert c["status"] == "running" and c["usage"]["billed"] == {}
