@@ -785,11 +785,17 @@ def test_retry_the_last_answer(page: Any, demo: GatewayProcess, user: str) -> No
     draft(page)
     first = exchange(page, "Plan a day in Porto")
     chat_id = current_chat(page)
+    usage = page.get_by_test_id("chat-usage")
+    expect(usage).to_have_text(re.compile(r"^[\d,]+ tokens$"), timeout=TURN)
     retry = page.get_by_role("button", name="Retry: answer this message again")
     expect(retry).to_have_count(1)
     retry.click()
     second = head_moved(page, first)
     answered(page, second)
+    # Both answers were paid for; the path shown holds one of them.
+    expect(usage).to_have_text(re.compile(r"^[\d,]+ tokens \([\d,]+ billed\)$"), timeout=TURN)
+    shown, billed = (int(n.replace(",", "")) for n in re.findall(r"[\d,]+", usage.inner_text()))
+    assert 0 < shown < billed
     # Only the active path shows: one answer, the second version of two.
     expect(messages(page, "assistant")).to_have_count(1)
     expect(messages(page, "assistant")).to_have_attribute("data-node", second)

@@ -237,6 +237,25 @@ function setTitle(chatId, title, seq) {
   scheduleRender();
 }
 
+/**
+ * What the open chat cost, short: tokens on the path shown (and billed over every version,
+ * when a retry or an edit made them differ), and cost if the agent reports one. `detail`
+ * lists every reported number, for the tooltip.
+ */
+function usageText(usage) {
+  if (!usage || !Object.keys(usage.billed ?? {}).length) return { text: "", detail: "" };
+  const tokens = (totals) => Object.entries(totals ?? {})
+    .filter(([name]) => name.endsWith("_tokens")).reduce((sum, [, n]) => sum + n, 0);
+  const number = (n) => n.toLocaleString(undefined, { maximumFractionDigits: 4 });
+  const shown = tokens(usage.active), billed = tokens(usage.billed);
+  let text = `${number(shown)} tokens`;
+  if (billed !== shown) text += ` (${number(billed)} billed)`;
+  if (usage.billed.cost != null) text += ` · cost ${number(usage.billed.cost)}`;
+  const list = (totals) => Object.entries(totals ?? {}).map(([k, n]) => `${k} ${number(n)}`)
+    .join(", ") || "nothing";
+  return { text, detail: `This version: ${list(usage.active)}. Billed: ${list(usage.billed)}.` };
+}
+
 function upsertConversation(c) {
   const old = conversations.get(c.chat_id);
   const seq = c.last_seq ?? 0;
@@ -248,6 +267,7 @@ function upsertConversation(c) {
     updated_at: c.updated_at ?? 0,
     preview: c.preview ?? null,
     goal_state: c.goal_state ?? null,
+    usage: c.usage ?? old?.usage ?? null,
     seq,
   });
   const m = models.get(c.chat_id);
@@ -1043,6 +1063,12 @@ function renderChat() {
   status.dataset.status = running ? (online ? "running" : "unknown") : "idle";
   if (status.textContent !== statusText) status.textContent = statusText;
 
+  const usage = $("chat-usage");
+  const spent = usageText(c?.usage);
+  usage.hidden = !spent.text;
+  if (usage.textContent !== spent.text) usage.textContent = spent.text;
+  usage.title = spent.detail;
+
   const goal = m?.goal;
   const strip = $("goal");
   if (goal && (goal.active || goal.status)) {
@@ -1211,6 +1237,8 @@ async function boot() {
     ensurePath(m); // after a replay of nothing, the head is known in full now
     setGoal(m, snap.goal_state ?? null, frame.seq); // the goal survives a reload
     if (snap.title) setTitle(chatId, snap.title, frame.seq);
+    const c = conversations.get(chatId);
+    if (c && snap.usage && frame.seq >= (c.seq ?? -1)) c.usage = snap.usage;
     scheduleRender();
   });
   client.on("event", (f) => {
