@@ -2,7 +2,8 @@
 
 ``/static/gateway-client.js`` (and its ``.d.ts``) is the JavaScript client for the wire
 protocol; apps may load it straight from the gateway. ``/`` is the demo chat page, served only
-in dev mode: it takes its token from ``?token=`` in the page URL.
+in dev mode: it takes its token from ``?token=`` in the page URL, then moves it out of the
+address bar (into sessionStorage) on load.
 """
 
 from __future__ import annotations

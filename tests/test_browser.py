@@ -141,6 +141,25 @@ def expect(locator: Any) -> Any:
     return pw_expect(locator)
 
 
+# The sizes each point of the reference client is tried at: a laptop, a phone (390x844), and
+# the laptop at 200 % zoom (its CSS viewport halves: the page lays out as at 640x400).
+SIZES = {
+    "desktop": {"width": 1280, "height": 800},
+    "phone": {"width": 390, "height": 844},
+    "zoom200": {"width": 640, "height": 400},
+}
+BOTH = pytest.mark.parametrize("size", ["desktop", "phone"])
+
+
+def show_sidebar(page: Any) -> None:
+    """The conversation list: on a phone, open its drawer first."""
+    opener = page.get_by_test_id("open-drawer")
+    if opener.is_visible():
+        opener.click()
+        expect(opener).to_have_attribute("aria-expanded", "true")
+    expect(page.get_by_test_id("sidebar")).to_be_in_viewport()
+
+
 def open_app(page: Any, gw: GatewayProcess, user: str, chat: str | None = None) -> None:
     url = f"{gw.http}/?token={gw.token(user)}" + (f"&chat={chat}" if chat else "")
     page.goto(url)
@@ -155,15 +174,28 @@ def synced(page: Any, chat_id: str) -> None:
     expect(chat).to_have_attribute("data-synced", "true", timeout=TURN)
 
 
-def new_chat(page: Any) -> str:
-    before = page.get_by_test_id("chat").get_attribute("data-chat-id") or ""
+def draft(page: Any) -> None:
+    """"+ New chat": an empty chat that exists nowhere until its first message."""
+    show_sidebar(page)
     page.get_by_test_id("new-chat").click()
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-chat-id", "", timeout=TURN)
+    expect(page.get_by_test_id("message-input")).to_be_focused()
+
+
+def current_chat(page: Any) -> str:
+    """The chat on screen, once there is one and the page is subscribed to it."""
     chat = page.get_by_test_id("chat")
-    expect(chat).not_to_have_attribute("data-chat-id", re.compile("^" + re.escape(before) + "$"),
-                                       timeout=TURN)
+    expect(chat).not_to_have_attribute("data-chat-id", "", timeout=TURN)
     chat_id: str = chat.get_attribute("data-chat-id")
     synced(page, chat_id)
     return chat_id
+
+
+def new_chat(page: Any, text: str) -> str:
+    """A new chat, started by sending ``text``; returns its id."""
+    draft(page)
+    send(page, text)
+    return current_chat(page)
 
 
 def send(page: Any, text: str) -> None:
@@ -201,8 +233,6 @@ def assert_transcript(page: Any, gw: GatewayProcess, user: str, chat_id: str) ->
     shown = page.eval_on_selector_all(
         '[data-testid="messages"] [data-testid="message"]',
         "els => els.map(e => [Number(e.dataset.seq), e.dataset.role, e.innerText.trim()])")
-    # The page shows a stopped reply with a "stopped" note under the text.
-    shown = [(seq, role, text.removesuffix("\nstopped").strip()) for seq, role, text in shown]
     assert [(s, r, t.strip()) for s, r, t in stored] == [tuple(x) for x in shown]
     ends = [e["seq"] for e in path if e["type"] == "turn_end"]
     latencies = page.eval_on_selector_all('[data-testid="turn-latency"]',
@@ -238,8 +268,7 @@ def test_static_routes(demo: GatewayProcess, gateway: GatewayProcess) -> None:
 
 def test_streamed_reply_with_latency(page: Any, demo: GatewayProcess, user: str) -> None:
     open_app(page, demo, user)
-    chat_id = new_chat(page)
-    send(page, "Plan a weekend in Lisbon")
+    chat_id = new_chat(page, "Plan a weekend in Lisbon")
     expect(messages(page, "user")).to_have_text(["Plan a weekend in Lisbon"], timeout=TURN)
     reply = messages(page, "assistant")
     expect(reply).to_have_count(1, timeout=TURN)
@@ -261,13 +290,12 @@ def test_streamed_reply_with_latency(page: Any, demo: GatewayProcess, user: str)
 def test_switching_chats_mid_turn_keeps_the_reply_whole(page: Any, demo: GatewayProcess,
                                                         user: str) -> None:
     open_app(page, demo, user)
-    first = new_chat(page)
-    send(page, "/slow")
+    first = new_chat(page, "/slow")
     expect(page.get_by_test_id("streaming-text")).to_contain_text("word3", timeout=TURN)
     expect(sidebar_item(page, first)).to_have_attribute("data-status", "running")
 
-    second = new_chat(page)  # unsubscribes the first chat: the gateway buffers its frames
-    send(page, "hello from the other chat")
+    # Unsubscribes the first chat: the gateway buffers its frames.
+    second = new_chat(page, "hello from the other chat")
     expect(messages(page, "assistant")).to_contain_text(["You said: “hello from the other chat”"],
                                                         timeout=TURN)
     expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
@@ -295,10 +323,9 @@ def test_switching_back_after_the_buffer_overflowed(page: Any, start_gateway: An
                                                    browser_redis: str, user: str) -> None:
     gw = start_demo_gateway(start_gateway, browser_redis, buffer_max_frames=5)
     open_app(page, gw, user)
-    first = new_chat(page)
-    send(page, "/slow")
+    first = new_chat(page, "/slow")
     expect(page.get_by_test_id("streaming-text")).to_contain_text("word3", timeout=TURN)
-    new_chat(page)
+    draft(page)  # unsubscribes the first chat
     # Go back once well over five frames (the buffer's bound) went out in the meantime.
     watch_deltas(gw, user, first, 10)
     sidebar_item(page, first).click()
@@ -323,10 +350,13 @@ def restartable(start_gateway: Any, browser_redis: str) -> GatewayProcess:
 
 def test_gateway_restart_mid_turn(page: Any, restartable: GatewayProcess, user: str) -> None:
     gw = restartable
+    page.add_init_script(RECORDER)
     open_app(page, gw, user)
-    chat_id = new_chat(page)
-    send(page, "first question")
+    page.evaluate("() => demo.client.on('state', (s) => __rec.states.push("
+                  "[performance.now(), s.state, s.delay ?? null, s.attempt ?? null]))")
+    chat_id = new_chat(page, "first question")
     expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    asked = page.evaluate("performance.now()")
     send(page, "/slow")
     expect(page.get_by_test_id("streaming-text")).to_contain_text("word3", timeout=TURN)
 
@@ -334,8 +364,15 @@ def test_gateway_restart_mid_turn(page: Any, restartable: GatewayProcess, user: 
     connection = page.get_by_test_id("connection")
     expect(connection).not_to_have_attribute("data-state", "open", timeout=RECONNECT)
     expect(page.get_by_test_id("connection-label")).to_contain_text("Reconnect")
+    # While offline the header does not claim the agent is answering.
+    expect(page.get_by_test_id("chat-status")).to_have_text("waiting for the connection…")
     gw.start()
+    ready = page.evaluate("performance.now()")
     expect(connection).to_have_attribute("data-state", "open", timeout=RECONNECT)
+    # Back soon after the gateway is: after a 1012 the client retries at once, then waits
+    # at most 2 s between attempts for a while (not a back-off grown to 8 s).
+    back = page.evaluate("performance.now()") - ready
+    assert back <= 3_500, f"connected {back:.0f} ms after the gateway was ready"
     # Resumed from the last seq it had, on the new connection.
     expect(page.get_by_test_id("chat")).to_have_attribute("data-subscribe-mode", "since",
                                                           timeout=TURN)
@@ -346,9 +383,73 @@ def test_gateway_restart_mid_turn(page: Any, restartable: GatewayProcess, user: 
     expect(page.get_by_test_id("turn-latency")).to_have_count(2, timeout=TURN)
     assert_transcript(page, gw, user, chat_id)
 
+    rec = recorded(page)
+    # Never "answering" unless connected.
+    shown = [row for row in rec["header"] if row[1] != "open" and "answering" in row[2]]
+    assert not shown, shown
+    # The answer on screen never shrank.
+    assert_streamed_whole([row for row in rec["streamed"] if row[0] > asked])
+    # Each "Reconnecting in N s" was the real wait, to the second.
+    assert_real_waits(rec)
+
     page.reload()
     expect(page.get_by_test_id("app")).to_have_attribute("data-ready", "true", timeout=TURN)
     synced(page, chat_id)
+    assert_transcript(page, gw, user, chat_id)
+
+
+def assert_real_waits(rec: dict[str, Any]) -> None:
+    """Each "Reconnecting in N s" the page showed was within a second of the wait the client
+    had left then (from its last "reconnecting" state: its delay, less the time since)."""
+    for t, _, label in rec["labels"]:
+        said = re.match(r"Reconnecting in (\d+) s", label)
+        if not said:
+            continue
+        before = [s for s in rec["states"] if s[0] <= t and s[1] == "reconnecting"]
+        assert before, f"{label!r} with no reconnecting state before it: {rec['states']}"
+        at, _, delay, _ = before[-1]
+        left = delay - (t - at)
+        assert abs(left - int(said.group(1)) * 1000) <= 1000, (label, left, rec["states"])
+
+
+@pytest.fixture
+def with_agent_inside(start_gateway: Any, tmp_path: Path) -> Iterator[GatewayProcess]:
+    """A gateway running the demo agent inside it, on a Redis of its own (no other agent
+    takes its turns): stopping it stops the agent mid-answer, and the turn is redelivered."""
+    server = EmbeddedRedis(tmp_path / "redis", persistent=False)
+    server.start()
+    port = free_port()
+    gw: GatewayProcess = start_gateway(dev=1, turn_timeout=30, port=port, redis_url=server.url,
+                                       demo_agent=1, allowed_origins=f"http://127.0.0.1:{port}")
+    yield gw
+    gw.stop()
+    server.stop()
+
+
+@BOTH
+def test_a_redelivered_answer_does_not_shrink(page: Any, with_agent_inside: GatewayProcess,
+                                             user: str, size: str) -> None:
+    gw = with_agent_inside
+    sized(page, size)
+    page.add_init_script(RECORDER)
+    open_app(page, gw, user)
+    chat_id = new_chat(page, "/slow")
+    streaming = page.get_by_test_id("streaming-text")
+    expect(streaming).to_contain_text("word20", timeout=TURN)
+    gw.stop()
+    connection = page.get_by_test_id("connection")
+    expect(connection).not_to_have_attribute("data-state", "open", timeout=RECONNECT)
+    had = len(shown_words(page))
+    assert had >= 20, had
+    gw.start()
+    expect(connection).to_have_attribute("data-state", "open", timeout=RECONNECT)
+    reply = messages(page, "assistant")
+    expect(reply).to_have_count(1, timeout=SLOW_TURN * 2)
+    expect(reply).to_have_text(SLOW_REPLY)
+    # The agent started over (from word1, while the page had shown `had` words): the page
+    # kept the earlier attempt's words, dimmed, past the new one's, so the text on screen
+    # never shrank.
+    assert_streamed_whole(recorded(page)["streamed"])
     assert_transcript(page, gw, user, chat_id)
 
 
@@ -356,7 +457,8 @@ def test_message_sent_while_offline_goes_out_once(page: Any, restartable: Gatewa
                                                   user: str) -> None:
     gw = restartable
     open_app(page, gw, user)
-    chat_id = new_chat(page)
+    chat_id = new_chat(page, "sent while online")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
     gw.stop()
     expect(page.get_by_test_id("connection")).not_to_have_attribute("data-state", "open",
                                                                     timeout=RECONNECT)
@@ -367,18 +469,24 @@ def test_message_sent_while_offline_goes_out_once(page: Any, restartable: Gatewa
     gw.start()
     expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open",
                                                                 timeout=RECONNECT)
-    expect(messages(page, "user")).to_have_text(["sent while offline"], timeout=TURN)
-    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    expect(messages(page, "user")).to_have_text(["sent while online", "sent while offline"],
+                                                timeout=TURN)
+    expect(page.get_by_test_id("turn-latency")).to_have_count(2, timeout=TURN)
     assert_transcript(page, gw, user, chat_id)
     stored = [e for e in history(gw, user, chat_id) if e["type"] == "user_message"]
-    assert len(stored) == 1
+    assert len(stored) == 2
 
 
 def test_rename_over_http_updates_the_sidebar_live(page: Any, demo: GatewayProcess,
                                                    user: str) -> None:
     open_app(page, demo, user)
-    first = new_chat(page)
-    second = new_chat(page)
+    first = new_chat(page, "background chat")
+    # The agent titles a chat from its first message: wait for that before renaming.
+    expect(sidebar_item(page, first).get_by_test_id("conversation-title")).to_have_text(
+        "Background chat", timeout=TURN)
+    second = new_chat(page, "shown chat")
+    expect(sidebar_item(page, second).get_by_test_id("conversation-title")).to_have_text(
+        "Shown chat", timeout=TURN)
     for chat_id, title in ((second, "Shown chat, renamed"), (first, "Background chat, renamed")):
         resp = httpx.patch(f"{demo.http}/v1/conversations/{chat_id}", json={"title": title},
                            headers=demo.headers(user))
@@ -395,10 +503,10 @@ def test_rename_over_http_updates_the_sidebar_live(page: Any, demo: GatewayProce
 def test_goal_strip_survives_reload(page: Any, demo: GatewayProcess, user: str,
                                     tmp_path: Path) -> None:
     open_app(page, demo, user)
-    chat_id = new_chat(page)
+    draft(page)
     strip = page.get_by_test_id("goal-strip")
     expect(strip).to_be_hidden()
-    send(page, "Plan a weekend in Lisbon")
+    chat_id = new_chat(page, "Plan a weekend in Lisbon")
     expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
     send(page, "/goal Plan a 3-day trip to Lisbon with one day in Sintra")
     expect(strip).to_be_visible(timeout=TURN)
@@ -429,19 +537,6 @@ def test_goal_strip_survives_reload(page: Any, demo: GatewayProcess, user: str,
     expect(strip).to_have_attribute("data-status", "complete")
 
 
-def test_bad_token_stops_reconnecting(page: Any, demo: GatewayProcess) -> None:
-    page.goto(f"{demo.http}/?token=not-a-token")
-    connection = page.get_by_test_id("connection")
-    expect(connection).to_have_attribute("data-state", "closed", timeout=TURN)
-    expect(page.get_by_test_id("connection-label")).to_have_text("Disconnected: invalid token")
-
-
-def test_page_without_token_explains_itself(page: Any, demo: GatewayProcess) -> None:
-    page.goto(f"{demo.http}/")
-    expect(page.get_by_test_id("notice")).to_contain_text("gateway serve --dev")
-    expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "closed")
-
-
 # --- answers being written: reload, offline, a second tab ------------------------------
 
 SLOW_WORDS = SLOW_REPLY.split()
@@ -451,7 +546,7 @@ SLOW_WORDS = SLOW_REPLY.split()
 # online/offline events, each with performance.now() of that document.
 RECORDER = r"""
 (() => {
-  const rec = { streamed: [], labels: [], network: [] };
+  const rec = { streamed: [], labels: [], network: [], header: [], states: [] };
   window.__rec = rec;
   const look = () => {
     const now = performance.now();
@@ -465,11 +560,15 @@ RECORDER = r"""
       const shown = [box.dataset.state, label.textContent];
       const prev = rec.labels[rec.labels.length - 1];
       if (!prev || prev[1] !== shown[0] || prev[2] !== shown[1]) rec.labels.push([now, ...shown]);
+      const status = document.querySelector('[data-testid="chat-status"]');
+      const head = [box.dataset.state, status ? status.textContent : ""];
+      const was = rec.header[rec.header.length - 1];
+      if (!was || was[1] !== head[0] || was[2] !== head[1]) rec.header.push([now, ...head]);
     }
   };
   new MutationObserver(look).observe(document, {
     subtree: true, childList: true, characterData: true, attributes: true,
-    attributeFilter: ["data-state"],
+    attributeFilter: ["data-state", "data-status"],
   });
   addEventListener("offline", () => rec.network.push([performance.now(), "offline"]));
   addEventListener("online", () => rec.network.push([performance.now(), "online"]));
@@ -477,8 +576,8 @@ RECORDER = r"""
 """
 
 
-def recorded(page: Any) -> dict[str, list[list[Any]]]:
-    rec: dict[str, list[list[Any]]] = page.evaluate("window.__rec")
+def recorded(page: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = page.evaluate("window.__rec")
     return rec
 
 
@@ -515,8 +614,7 @@ def test_reload_mid_answer_shows_the_partial_answer_at_once(page: Any, demo: Gat
                                                              user: str) -> None:
     page.add_init_script(RECORDER)
     open_app(page, demo, user)
-    chat_id = new_chat(page)
-    send(page, "/slow")
+    chat_id = new_chat(page, "/slow")
     streaming = page.get_by_test_id("streaming-text")
     expect(streaming).to_contain_text("word12", timeout=TURN)
     had = len(shown_words(page))
@@ -546,8 +644,7 @@ def test_offline_mid_answer(page: Any, demo: GatewayProcess, user: str) -> None:
 
     page.add_init_script(RECORDER)
     open_app(page, demo, user)
-    chat_id = new_chat(page)
-    send(page, "/slow")
+    chat_id = new_chat(page, "/slow")
     streaming = page.get_by_test_id("streaming-text")
     expect(streaming).to_contain_text("word12", timeout=TURN)
     connection = page.get_by_test_id("connection")
@@ -611,8 +708,7 @@ def test_second_tab_joins_mid_answer(page: Any, browser: Any, demo: GatewayProce
                                      user: str) -> None:
     page.add_init_script(RECORDER)
     open_app(page, demo, user)
-    chat_id = new_chat(page)
-    send(page, "/slow")
+    chat_id = new_chat(page, "/slow")
     expect(page.get_by_test_id("streaming-text")).to_contain_text("word12", timeout=TURN)
     had = len(shown_words(page))
 
@@ -652,8 +748,9 @@ def head_of(page: Any) -> str:
 def head_moved(page: Any, old: str) -> str:
     """Wait until the page's head is no longer ``old``; returns the new one."""
     chat = page.get_by_test_id("chat")
-    expect(chat).not_to_have_attribute("data-head", re.compile(f"^({re.escape(old)})?$"),
-                                       timeout=TURN)
+    # From a new chat (no head shown yet), "none" (created, nothing said) is no move either.
+    was = re.escape(old) if old else "none"
+    expect(chat).not_to_have_attribute("data-head", re.compile(f"^({was})?$"), timeout=TURN)
     return head_of(page)
 
 
@@ -685,13 +782,20 @@ def user_node(page: Any, text: str) -> str:
 
 def test_retry_the_last_answer(page: Any, demo: GatewayProcess, user: str) -> None:
     open_app(page, demo, user)
-    chat_id = new_chat(page)
+    draft(page)
     first = exchange(page, "Plan a day in Porto")
+    chat_id = current_chat(page)
+    usage = page.get_by_test_id("chat-usage")
+    expect(usage).to_have_text(re.compile(r"^[\d,]+ tokens$"), timeout=TURN)
     retry = page.get_by_role("button", name="Retry: answer this message again")
     expect(retry).to_have_count(1)
     retry.click()
     second = head_moved(page, first)
     answered(page, second)
+    # Both answers were paid for; the path shown holds one of them.
+    expect(usage).to_have_text(re.compile(r"^[\d,]+ tokens \([\d,]+ billed\)$"), timeout=TURN)
+    shown, billed = (int(n.replace(",", "")) for n in re.findall(r"[\d,]+", usage.inner_text()))
+    assert 0 < shown < billed
     # Only the active path shows: one answer, the second version of two.
     expect(messages(page, "assistant")).to_have_count(1)
     expect(messages(page, "assistant")).to_have_attribute("data-node", second)
@@ -711,8 +815,9 @@ def test_retry_the_last_answer(page: Any, demo: GatewayProcess, user: str) -> No
 
 def test_edit_a_message_inline(page: Any, demo: GatewayProcess, user: str) -> None:
     open_app(page, demo, user)
-    chat_id = new_chat(page)
+    draft(page)
     exchange(page, "first question")
+    chat_id = current_chat(page)
     exchange(page, "second question")
     original = user_node(page, "first question")
     bar = page.locator(f'[data-testid="user-bar"][data-node-id="{original}"]')
@@ -741,10 +846,11 @@ def test_edit_a_message_inline(page: Any, demo: GatewayProcess, user: str) -> No
 
 def test_undo_puts_the_text_back(page: Any, demo: GatewayProcess, user: str) -> None:
     open_app(page, demo, user)
-    chat_id = new_chat(page)
+    draft(page)
     undo = page.get_by_role("button", name="Undo the last message")
     expect(undo).to_be_disabled()  # nothing said yet
     exchange(page, "one")
+    chat_id = current_chat(page)
     kept = head_of(page)
     exchange(page, "two, with a typo")
     taken = user_node(page, "two, with a typo")
@@ -772,8 +878,9 @@ def test_undo_puts_the_text_back(page: Any, demo: GatewayProcess, user: str) -> 
 def test_versions_after_a_reload(page: Any, demo: GatewayProcess, user: str) -> None:
     """The forks come from GET .../events on load; a version never loaded is fetched."""
     open_app(page, demo, user)
-    chat_id = new_chat(page)
+    draft(page)
     first = exchange(page, "tell me about tiles")
+    chat_id = current_chat(page)
     page.get_by_role("button", name="Retry: answer this message again").click()
     second = head_moved(page, first)
     answered(page, second)
@@ -797,8 +904,9 @@ def test_versions_after_a_reload(page: Any, demo: GatewayProcess, user: str) -> 
 def test_second_tab_follows_every_move(page: Any, browser: Any, demo: GatewayProcess,
                                        user: str) -> None:
     open_app(page, demo, user)
-    chat_id = new_chat(page)
+    draft(page)
     first = exchange(page, "hello there")
+    chat_id = current_chat(page)
     other = browser.new_page()
     errors: list[str] = []
     other.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -845,3 +953,436 @@ def test_second_tab_follows_every_move(page: Any, browser: Any, demo: GatewayPro
     finally:
         other.close()
     assert not errors, f"uncaught errors in the second page: {errors}"
+
+
+# --- the reference client: type at once, phones, accessibility, rename and delete, links,
+# --- errors in words, no token in any URL ------------------------------------------------
+
+AXE = Path(__file__).parent / "js" / "node_modules" / "axe-core" / "axe.min.js"
+
+
+def sized(page: Any, size: str) -> None:
+    page.set_viewport_size(SIZES[size])
+
+
+def axe_problems(page: Any, state: str) -> list[str]:
+    """axe-core's serious and critical violations on the page as it is now."""
+    if not AXE.exists():
+        pytest.fail(f"{AXE} is missing: `npm install` in tests/js (scripts/test runs it)",
+                    pytrace=False)
+    if not page.evaluate("() => !!window.axe"):
+        # The page's CSP allows scripts from its own origin only: serve axe from there.
+        page.route("**/__axe.js", lambda route: route.fulfill(
+            body=AXE.read_text(), content_type="text/javascript"))
+        page.add_script_tag(url="/__axe.js")
+    result = page.evaluate("() => axe.run(document, {resultTypes: ['violations']})")
+    return [f"{state}: {v['id']} ({v['impact']}): {v['help']} at "
+            f"{[n['target'] for n in v['nodes']][:3]}"
+            for v in result["violations"] if v["impact"] in ("serious", "critical")]
+
+
+def tab_stops(page: Any, count: int) -> list[dict[str, Any]]:
+    """Press Tab ``count`` times from the top; what had the focus each time."""
+    page.evaluate("() => document.activeElement?.blur()")
+    stops = []
+    for _ in range(count):
+        page.keyboard.press("Tab")
+        stops.append(page.evaluate("""() => {
+          const el = document.activeElement;
+          if (!el || el === document.body) return null;
+          const style = getComputedStyle(el);
+          const name = (el.getAttribute('aria-label') || el.labels?.[0]?.textContent
+                        || el.textContent || el.placeholder || '').trim();
+          const r = el.getBoundingClientRect();
+          return {testid: el.dataset.testid || el.id || el.tagName, name,
+                  visible: el.checkVisibility({visibilityProperty: true, opacityProperty: true})
+                           && r.width > 0 && r.height > 0,
+                  disabled: el.disabled === true || el.closest('[inert]') !== null,
+                  ring: style.outlineStyle !== 'none' && parseFloat(style.outlineWidth) >= 1
+                        || style.boxShadow !== 'none'};
+        }"""))
+    return [stop for stop in stops if stop]
+
+
+def assert_fits(page: Any, what: str) -> None:
+    """Nothing cut off: no sideways scrolling, the controls inside the window, the
+    placeholder inside its box."""
+    viewport = page.viewport_size
+    overflow = page.evaluate("() => document.documentElement.scrollWidth - innerWidth")
+    assert overflow <= 0, f"{what}: the page scrolls sideways by {overflow} px"
+    for testid in ("chat-title", "connection", "message-input", "send", "undo",
+                   "composer-hint", "open-drawer"):
+        el = page.get_by_test_id(testid)
+        if not el.is_visible():
+            continue
+        box = el.bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= viewport["width"] + 0.5, (
+            f"{what}: {testid} is cut off: {box}")
+        assert box["y"] >= 0 and box["y"] + box["height"] <= viewport["height"] + 0.5, (
+            f"{what}: {testid} is cut off: {box}")
+    room = page.evaluate("""() => {
+      const t = document.getElementById('input');
+      const s = getComputedStyle(t);
+      const ctx = document.createElement('canvas').getContext('2d');
+      ctx.font = `${s.fontWeight} ${s.fontSize} ${s.fontFamily}`;
+      return t.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight)
+             - ctx.measureText(t.placeholder).width;
+    }""")
+    assert room >= 0, f"{what}: the placeholder is cut off by {-room:.0f} px"
+
+
+@BOTH
+def test_type_at_once_and_send_becomes_stop(page: Any, demo: GatewayProcess, user: str,
+                                           size: str) -> None:
+    sized(page, size)
+    open_app(page, demo, user)
+    box = page.get_by_test_id("message-input")
+    # Live on load, with no chat: the first message starts one.
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-chat-id", "")
+    expect(box).to_be_enabled()
+    expect(box).to_be_editable()
+    send_box = page.get_by_test_id("send").bounding_box()
+    box.fill("/slow")
+    box.press("Enter")
+    chat_id = current_chat(page)
+    assert chat_id.startswith("c_")
+    assert f"chat={chat_id}" in page.url
+    expect(messages(page, "user")).to_have_text(["/slow"], timeout=TURN)
+    show_sidebar(page)
+    expect(sidebar_item(page, chat_id)).to_be_visible()
+    page.keyboard.press("Escape")  # the drawer (phone); nothing on a desktop
+    # While it answers, Send becomes Stop, in its place.
+    expect(page.get_by_test_id("streaming-text")).to_contain_text("word3", timeout=TURN)
+    stop = page.get_by_test_id("stop")
+    expect(stop).to_be_visible()
+    expect(page.get_by_test_id("send")).to_be_hidden()
+    stop_box = stop.bounding_box()
+    assert abs((stop_box["x"] + stop_box["width"]) - (send_box["x"] + send_box["width"])) < 2
+    # Enter says why nothing went, and keeps the text (it is not queued).
+    box.fill("a second question")
+    box.press("Enter")
+    hint = page.get_by_test_id("composer-hint")
+    expect(hint).to_have_text("The agent is still answering: press Stop, or wait and then send.")
+    expect(hint).to_have_attribute("aria-live", "polite")
+    expect(box).to_have_value("a second question")
+    expect(page.get_by_test_id("pending-message")).to_have_count(0)
+    stop.click()
+    latency = page.get_by_test_id("turn-latency")
+    expect(latency).to_have_attribute("data-reason", "cancelled", timeout=TURN)
+    expect(page.get_by_test_id("send")).to_be_visible()
+    expect(page.get_by_test_id("message-input")).to_be_focused()
+    expect(hint).not_to_contain_text("still answering")
+    # Now Enter sends it; multi-line text stays whole.
+    box.fill("a second question\nover two lines")
+    box.press("Enter")
+    expect(messages(page, "user")).to_have_text(["/slow", "a second question\nover two lines"],
+                                                timeout=TURN)
+    expect(latency).to_have_count(2, timeout=TURN)
+    assert_transcript(page, demo, user, chat_id)
+
+
+@pytest.mark.parametrize("size", ["phone", "zoom200"])
+def test_phone_layout(page: Any, demo: GatewayProcess, user: str, size: str,
+                      tmp_path: Path) -> None:
+    sized(page, size)
+    open_app(page, demo, user)
+    sidebar = page.get_by_test_id("sidebar")
+    opener = page.get_by_test_id("open-drawer")
+    # The conversation list is a drawer, closed: not on screen, not in the tab order.
+    expect(sidebar).not_to_be_in_viewport()
+    expect(page.get_by_test_id("new-chat")).to_be_hidden()
+    expect(opener).to_be_visible()
+    expect(opener).to_have_attribute("aria-expanded", "false")
+    assert_fits(page, f"{size}, empty")
+    first = new_chat(page, "first chat")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    second = new_chat(page, "second chat")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    # It opens over the chat, takes the focus, and goes with Escape.
+    opener.click()
+    expect(sidebar).to_be_in_viewport()
+    expect(opener).to_have_attribute("aria-expanded", "true")
+    expect(page.get_by_test_id("chat")).to_have_attribute("inert", "")
+    focused = page.evaluate(
+        "() => document.getElementById('sidebar').contains(document.activeElement)")
+    assert focused, "the open drawer does not hold the focus"
+    page.keyboard.press("Escape")
+    expect(sidebar).not_to_be_in_viewport()
+    expect(opener).to_be_focused()
+    # Choosing a chat in it closes it; so does the scrim.
+    opener.click()
+    sidebar_item(page, first).get_by_test_id("conversation-title").click()
+    synced(page, first)
+    expect(sidebar).not_to_be_in_viewport()
+    opener.click()
+    page.get_by_test_id("scrim").click(position={"x": SIZES[size]["width"] - 10, "y": 200})
+    expect(sidebar).not_to_be_in_viewport()
+    assert second
+    # The box grows with its text (up to a bound, then scrolls), and nothing is cut off.
+    box = page.get_by_test_id("message-input")
+    one_line = box.bounding_box()["height"]
+    box.fill("\n".join(f"line {i}" for i in range(1, 4)))
+    three_lines = box.bounding_box()["height"]
+    assert three_lines > one_line + 20, (one_line, three_lines)
+    box.fill("\n".join(f"line {i}" for i in range(1, 40)))
+    many = box.bounding_box()["height"]
+    assert three_lines < many <= SIZES[size]["height"] * 0.35, (three_lines, many)
+    assert_fits(page, f"{size}, a long draft")
+    box.fill("")
+    assert_fits(page, f"{size}, a chat")
+    shot = os.environ.get("GATEWAY_SCREENSHOT_PHONE")
+    if size == "phone":
+        page.get_by_test_id("message-input").blur()
+        page.screenshot(path=shot or str(tmp_path / "phone.png"))
+
+
+@BOTH
+def test_accessible_transcript_and_controls(page: Any, demo: GatewayProcess, user: str,
+                                           size: str) -> None:
+    sized(page, size)
+    open_app(page, demo, user)
+    problems = axe_problems(page, "a new chat")
+    chat_id = new_chat(page, "Plan a weekend in Lisbon")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    send(page, "/goal Plan a 3-day trip to Lisbon")
+    expect(page.get_by_test_id("goal-strip")).to_be_visible(timeout=TURN)
+    expect(page.get_by_test_id("turn-latency")).to_have_count(2, timeout=TURN)
+    # The transcript is a log; each message says who wrote it.
+    log = page.get_by_role("log", name="Conversation")
+    expect(log).to_have_attribute("aria-live", "polite")
+    authors = page.eval_on_selector_all(
+        '[data-testid="messages"] .msg',
+        "els => els.map(e => e.querySelector('.sr-only')?.textContent)")
+    assert authors == ["You said: ", "The agent said: ", "You said: ", "The agent said: "], authors
+    problems += axe_problems(page, "a chat with a goal")
+
+    # The answer being written is not announced as it grows: the log announces the whole
+    # message once; a status line says that the agent is answering.
+    send(page, "/slow")
+    streaming = page.get_by_test_id("streaming")
+    expect(streaming).to_contain_text("word3", timeout=TURN)
+    expect(streaming).to_have_attribute("aria-live", "off")
+    expect(streaming).to_have_attribute("aria-busy", "true")
+    expect(page.get_by_test_id("announcer")).to_have_text("The agent is answering.")
+    problems += axe_problems(page, "an answer being written")
+
+    # Every stop of the tab order is a visible, enabled, named control with a focus ring.
+    stops = tab_stops(page, 14)
+    assert stops, "Tab reaches nothing"
+    for stop in stops:
+        assert stop["visible"] and not stop["disabled"], stop
+        assert stop["name"], f"a control without a name: {stop}"
+        assert stop["ring"], f"no visible focus on {stop}"
+    reached = {stop["testid"] for stop in stops}
+    assert {"message-input", "stop"} <= reached, reached
+    assert "send" not in reached  # hidden while Stop stands in its place
+    if size == "desktop":
+        assert {"new-chat", "rename", "delete"} <= reached, reached
+    else:
+        assert "new-chat" not in reached and "open-drawer" in reached, reached
+    page.get_by_test_id("stop").click()
+    expect(page.get_by_test_id("send")).to_be_visible(timeout=TURN)
+
+    show_sidebar(page)
+    problems += axe_problems(page, "the conversation list")
+    sidebar_item(page, chat_id).get_by_test_id("rename").click()
+    problems += axe_problems(page, "renaming")
+    page.get_by_test_id("rename-cancel").click()
+    sidebar_item(page, chat_id).get_by_test_id("delete").click()
+    problems += axe_problems(page, "confirming a deletion")
+    page.get_by_test_id("delete-cancel").click()
+    assert not problems, "\n".join(problems)
+
+
+@BOTH
+def test_rename_and_delete_from_the_sidebar(page: Any, browser: Any, demo: GatewayProcess,
+                                            user: str, size: str) -> None:
+    sized(page, size)
+    open_app(page, demo, user)
+    keep = new_chat(page, "/goal keep this one")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    chat_id = new_chat(page, "/slow")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=SLOW_TURN)
+    other = browser.new_page()  # a second device, showing the same chat
+    errors: list[str] = []
+    other.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        open_app(other, demo, user, chat=chat_id)
+        synced(other, chat_id)
+        # A chat started with a slash command is not titled with the command.
+        title = sidebar_item(other, chat_id).get_by_test_id("conversation-title")
+        expect(title).not_to_have_text("/slow")
+
+        show_sidebar(page)
+        sidebar_item(page, chat_id).get_by_test_id("rename").click()
+        field = page.get_by_role("textbox", name="Conversation title")
+        expect(field).to_be_focused()
+        field.fill("  Slow   words, renamed ")
+        field.press("Enter")
+        expect(sidebar_item(page, chat_id).get_by_test_id("conversation-title")).to_have_text(
+            "Slow words, renamed", timeout=TURN)
+        # The other device heard it from the feed.
+        expect(title).to_have_text("Slow words, renamed", timeout=TURN)
+        expect(other.get_by_test_id("chat-title")).to_have_text("Slow words, renamed")
+        got = httpx.get(f"{demo.http}/v1/conversations/{chat_id}", headers=demo.headers(user))
+        assert got.json()["title"] == "Slow words, renamed"
+
+        # Escape leaves the title as it was.
+        sidebar_item(page, chat_id).get_by_test_id("rename").click()
+        page.get_by_role("textbox", name="Conversation title").fill("not this")
+        page.get_by_role("textbox", name="Conversation title").press("Escape")
+        expect(sidebar_item(page, chat_id).get_by_test_id("conversation-title")).to_have_text(
+            "Slow words, renamed")
+
+        # Delete asks first; Keep keeps it.
+        sidebar_item(page, chat_id).get_by_test_id("delete").click()
+        expect(page.get_by_test_id("delete-cancel")).to_be_focused()
+        page.get_by_test_id("delete-cancel").click()
+        expect(sidebar_item(page, chat_id)).to_have_count(1)
+        sidebar_item(page, chat_id).get_by_test_id("delete").click()
+        page.get_by_test_id("delete-confirm").click()
+        expect(sidebar_item(page, chat_id)).to_have_count(0, timeout=TURN)
+        expect(page.get_by_test_id("chat")).to_have_attribute("data-chat-id", "")
+        expect(page.get_by_test_id("message-input")).to_be_focused()
+        # Gone on the other device too, which says so, and from the API.
+        expect(sidebar_item(other, chat_id)).to_have_count(0, timeout=TURN)
+        expect(other.get_by_test_id("chat")).to_have_attribute("data-chat-id", "")
+        expect(other.get_by_test_id("notice")).to_contain_text("was deleted")
+        gone = httpx.get(f"{demo.http}/v1/conversations/{chat_id}", headers=demo.headers(user))
+        assert gone.status_code == 404
+        listed = httpx.get(f"{demo.http}/v1/conversations", headers=demo.headers(user)).json()
+        assert [c["chat_id"] for c in listed["conversations"]] == [keep]
+        expect(sidebar_item(other, keep)).to_have_count(1)
+    finally:
+        other.close()
+    assert not errors, f"uncaught errors in the second page: {errors}"
+
+
+@BOTH
+def test_a_link_to_a_missing_chat_creates_nothing(page: Any, demo: GatewayProcess, user: str,
+                                                 size: str) -> None:
+    sized(page, size)
+    missing = "does_not_exist_" + user
+    open_app(page, demo, user, chat=missing)
+    notice = page.get_by_test_id("notice")
+    expect(notice).to_contain_text(f"There is no conversation “{missing}”", timeout=TURN)
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-chat-id", "")
+    assert "chat=" not in page.url
+    assert httpx.get(f"{demo.http}/v1/conversations/{missing}",
+                     headers=demo.headers(user)).status_code == 404
+    listed = httpx.get(f"{demo.http}/v1/conversations", headers=demo.headers(user)).json()
+    assert listed["conversations"] == []
+    expect(sidebar_item(page, missing)).to_have_count(0)
+    problems = axe_problems(page, "a link to a missing chat")
+    assert not problems, "\n".join(problems)
+    # Typing still works: a new chat, not that one.
+    chat_id = new_chat(page, "hello")
+    assert chat_id != missing
+    assert httpx.get(f"{demo.http}/v1/conversations/{missing}",
+                     headers=demo.headers(user)).status_code == 404
+
+
+@BOTH
+def test_a_refused_token_says_what_to_do(page: Any, demo: GatewayProcess, user: str,
+                                        size: str) -> None:
+    sized(page, size)
+    page.clock.install()  # to see the notice outlive the old 6 s without waiting for it
+    for token, words in (("not-a-token", "was not accepted"),
+                         (demo.token(user, ttl=-60), "has expired")):
+        page.goto(f"{demo.http}/?token={token}")
+        notice = page.get_by_test_id("notice")
+        expect(notice).to_contain_text(f"Your sign-in {words}", timeout=TURN)
+        expect(notice).to_contain_text("gateway serve --dev")
+        expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "closed")
+        expect(page.get_by_test_id("connection-label")).to_have_text("Not signed in")
+        # What cannot work is off, and looks it.
+        expect(page.get_by_test_id("message-input")).to_be_disabled()
+        expect(page.get_by_test_id("send")).to_be_disabled()
+        show_sidebar(page)
+        expect(page.get_by_test_id("new-chat")).to_be_disabled()
+        page.keyboard.press("Escape")
+        # No parser's or server's words reach the page.
+        text = page.locator("body").inner_text()
+        for internal in ("segments", "invalid token", "Signature", "JWT", "decode", "4001"):
+            assert internal not in text, f"{internal!r} shown: {text!r}"
+        page.clock.run_for(10_000)
+        expect(notice).to_be_visible()
+        expect(page.get_by_test_id("notice-close")).to_be_hidden()
+        problems = axe_problems(page, f"signed out ({words})")
+        assert not problems, "\n".join(problems)
+
+
+def test_page_without_token_explains_itself(page: Any, demo: GatewayProcess) -> None:
+    page.goto(f"{demo.http}/")
+    expect(page.get_by_test_id("notice")).to_contain_text("gateway serve --dev")
+    expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "closed")
+    expect(page.get_by_test_id("message-input")).to_be_disabled()
+
+
+@BOTH
+def test_the_list_catches_up_after_a_reconnect(page: Any, restartable: GatewayProcess,
+                                               demo: GatewayProcess, user: str,
+                                               size: str) -> None:
+    """Feed frames sent while the page was away are not replayed: the page lists again."""
+    sized(page, size)
+    gw = restartable
+    open_app(page, gw, user)
+    chat_id = new_chat(page, "hello")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    gw.stop()
+    connection = page.get_by_test_id("connection")
+    expect(connection).not_to_have_attribute("data-state", "open", timeout=RECONNECT)
+    # Meanwhile, through another gateway on the same Redis: a new chat, and a rename.
+    made = httpx.post(f"{demo.http}/v1/conversations", json={"title": "Made while away"},
+                      headers=demo.headers(user))
+    assert made.status_code == 201, made.text
+    renamed = httpx.patch(f"{demo.http}/v1/conversations/{chat_id}",
+                          json={"title": "Renamed while away"}, headers=demo.headers(user))
+    assert renamed.status_code == 200, renamed.text
+    gw.start()
+    expect(connection).to_have_attribute("data-state", "open", timeout=RECONNECT)
+    show_sidebar(page)
+    expect(sidebar_item(page, made.json()["chat_id"]).get_by_test_id(
+        "conversation-title")).to_have_text("Made while away", timeout=TURN)
+    expect(sidebar_item(page, chat_id).get_by_test_id("conversation-title")).to_have_text(
+        "Renamed while away", timeout=TURN)
+
+
+def test_no_token_in_the_address_bar_a_console_or_a_socket_url(
+        page: Any, restartable: GatewayProcess, user: str) -> None:
+    gw = restartable
+    token = gw.token(user)
+    console: list[str] = []
+    sockets: list[str] = []
+    requests: list[str] = []
+    page.on("console", lambda msg: console.append(msg.text))
+    page.on("websocket", lambda ws: sockets.append(ws.url))
+    page.on("request", lambda req: requests.append(req.url))
+    page.goto(f"{gw.http}/?token={token}")
+    expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open",
+                                                                 timeout=TURN)
+    assert "token" not in page.url and token not in page.url
+    assert page.evaluate("() => location.href.includes('token')") is False
+    chat_id = new_chat(page, "hello")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    # A restart: Chromium logs each failed socket with its URL.
+    gw.stop()
+    connection = page.get_by_test_id("connection")
+    expect(connection).not_to_have_attribute("data-state", "open", timeout=RECONNECT)
+    page.wait_for_function("() => document.querySelector('[data-testid=connection-label]')"
+                           ".textContent.startsWith('Reconnecting in')", timeout=RECONNECT)
+    gw.start()
+    expect(connection).to_have_attribute("data-state", "open", timeout=RECONNECT)
+    # A reload of the tab signs in again from sessionStorage; the URL stays clean.
+    page.reload()
+    expect(connection).to_have_attribute("data-state", "open", timeout=TURN)
+    synced(page, chat_id)
+    assert "token" not in page.url
+    assert len(sockets) >= 3, sockets
+    assert any("ticket=" in url for url in sockets), sockets
+    assert any("Failed" in line or "failed" in line for line in console), console
+    assert token in requests[0]  # the link the test opened: the page's only one with it
+    for where, seen in (("console", console), ("WebSocket URL", sockets),
+                        ("request URL", requests[1:])):
+        leaked = [line for line in seen if token in line or "token=" in line]
+        assert not leaked, f"the token in a {where}: {leaked}"

@@ -133,4 +133,6 @@ async def handle(turn: Turn) -> None:
             await turn.message(cancelled=True)
     else:
         await turn.message()
-    await turn.end(usage={"input_chars": len(turn.text), "output_words": len(streamed.split())})
+    # A model would report its own counts; the demo estimates four characters a token.
+    await turn.end(usage={"input_tokens": -(-len(turn.text) // 4),
+                          "output_tokens": -(-len(streamed) // 4)})

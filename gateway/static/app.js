@@ -1,39 +1,96 @@
-// The demo chat page (dev mode): a sidebar fed by the live conversation feed, a chat view
-// with streaming replies, the goal strip, turn latencies and a connection indicator; the
+// The demo chat page (dev mode): a reference chat client on gateway-client.js.
+//
+// A sidebar fed by the live conversation feed (rename and delete there), a chat view with
+// streaming replies, the goal strip, turn latencies and a connection indicator; the
 // conversation as a tree: the active path only, retry on the last answer, edit on each
 // message, undo (the text back in the composer) and "‹ 2/3 ›" at every fork, every move
 // followed live by every tab. Everything it knows comes from the gateway: GET
 // /v1/conversations, GET .../events (the active path and its forks), and the WebSocket
 // through gateway-client.js (which keeps each chat's tree).
+//
+// The message box is live on load: the first message starts a conversation (nothing is
+// created before it, and opening a link never creates one). Below 700 px the conversation
+// list is a drawer. The token leaves the address bar on load (sessionStorage keeps it for
+// reloads of this tab); the socket authenticates with a one-time ticket (gateway-client.js).
 
 import { GatewayClient, newClientMsgId } from "./gateway-client.js";
 
 const $ = (id) => document.getElementById(id);
+const TOKEN_KEY = "gateway-demo-token";
+const phone = matchMedia("(max-width: 699px)");
+const token = takeToken();
 const params = new URLSearchParams(location.search);
-const token = params.get("token");
 
 const conversations = new Map(); // chat_id -> {chat_id, title, status, updated_at, preview, goal_state, seq}
 const models = new Map(); // chat_id -> the chat's messages and state (see model())
-let active = null; // chat_id on screen
+let active = null; // chat_id on screen; null: a new chat, created by its first message
 let client = null;
 let everConnected = false;
-let noticeTimer = null;
+let blocked = false; // the token was refused: nothing that needs the gateway can work
+let editingTitle = null; // chat_id whose title is being edited in the sidebar
+let confirmingDelete = null; // chat_id whose deletion awaits a confirmation
+
+/**
+ * The token from `?token=` (kept in sessionStorage for reloads of this tab, then taken out
+ * of the address bar, so that it lands in no history, bookmark, screenshot or Referer), or
+ * the one kept earlier.
+ */
+function takeToken() {
+  const q = new URLSearchParams(location.search);
+  const fromUrl = q.get("token");
+  if (fromUrl) {
+    try { sessionStorage.setItem(TOKEN_KEY, fromUrl); } catch { /* storage off: memory only */ }
+    q.delete("token");
+    history.replaceState(null, "", `${location.pathname}${q.size ? `?${q}` : ""}${location.hash}`);
+    return fromUrl;
+  }
+  try { return sessionStorage.getItem(TOKEN_KEY); } catch { return null; }
+}
 
 // --- HTTP ----------------------------------------------------------------------------
 
-async function api(method, path, body) {
-  const headers = { Authorization: `Bearer ${token}` };
-  if (body !== undefined) headers["Content-Type"] = "application/json";
-  const res = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
-  if (!res.ok) {
-    let detail = null;
-    try { detail = (await res.json()).error; } catch { /* not JSON */ }
-    const err = new Error(detail?.message ?? `HTTP ${res.status}`);
-    err.status = res.status;
-    err.code = detail?.code;
-    throw err;
+/** An error whose message is for people: never a parser's or a server's internals. */
+class PageError extends Error {
+  constructor(message, { status = 0, code = null, expired = false } = {}) {
+    super(message);
+    this.status = status;
+    this.code = code;
+    this.expired = expired;
   }
-  return res.status === 204 ? null : res.json();
+}
+
+function httpMessage(status, code) {
+  if (status === 401) return "Your sign-in is not valid.";
+  if (status === 403) return "That conversation belongs to someone else.";
+  if (status === 404) return "That conversation does not exist.";
+  if (status === 409) return "That conversation changed meanwhile: nothing was done.";
+  if (status === 413 || code === "text_too_long") return "That is too long.";
+  if (status === 400 || status === 422) return "The gateway did not accept that.";
+  if (status === 429) return "Too many requests: wait a moment and try again.";
+  return "The gateway is not available right now: try again in a moment.";
+}
+
+/** An HTTP API call through the client (its token, its timeout), failing with a PageError. */
+async function api(method, path, body) {
+  try {
+    return await client.request(method, path, body === undefined ? {} : { body });
+  } catch (err) {
+    throw plainError(err);
+  }
+}
+
+/** A GatewayError from an HTTP call, in words for people (a 401 also signs the page out). */
+function plainError(err) {
+  if (err instanceof PageError) return err;
+  const status = err?.status ?? 0;
+  const code = err?.code ?? null;
+  let text;
+  if (code === "timeout") text = "The gateway did not answer in time.";
+  else if (code === "network") text = "Could not reach the gateway.";
+  else text = httpMessage(status, code);
+  const expired = status === 401 && /expired/i.test(err?.message ?? "");
+  if (status === 401) signedOut(expired);
+  return new PageError(text, { status, code, expired });
 }
 
 // --- state ---------------------------------------------------------------------------
@@ -51,6 +108,7 @@ function model(chatId) {
       items: [], // durable items, ascending seq
       nodes: new Map(), // item key -> element
       streaming: "", // the reply being written: its stream's whole text so far
+      discarded: "", // an attempt the agent started over from: shown dimmed until passed
       deltas: 0,
       pending: new Map(), // client_msg_id -> {text, state, error}: sent, not yet seen back
       editing: null, // {msgId, text}: the user message being edited inline
@@ -76,6 +134,7 @@ function resetModel(m) {
   m.items = [];
   m.nodes = new Map();
   m.streaming = "";
+  m.discarded = "";
   m.deltas = 0;
   m.editing = null;
 }
@@ -96,9 +155,18 @@ function setGoal(m, goal, seq) {
 
 function setStatus(m, status, turnId, seq) {
   if (seq != null && seq < m.statusSeq) return;
+  if (status === "running" && m.status !== "running" && m.chatId === active && m.subscribed) {
+    announce("The agent is answering.");
+  }
   m.status = status;
   m.turnId = turnId ?? null;
   if (seq != null) m.statusSeq = seq;
+}
+
+function endStream(m) {
+  m.streaming = "";
+  m.discarded = "";
+  m.deltas = 0;
 }
 
 /** Apply one event frame (from history or live) to its chat's model. */
@@ -116,8 +184,7 @@ function applyEvent(f) {
       break;
     case "turn_start":
       setStatus(m, "running", d.turn_id, f.seq);
-      m.streaming = "";
-      m.deltas = 0;
+      endStream(m);
       break;
     case "delta":
       if (!f.stream) { // a plain ephemeral delta (no turn running): shown as it comes
@@ -130,8 +197,7 @@ function applyEvent(f) {
         seq: f.seq, kind: "assistant", text: String(d.text ?? ""), cancelled: !!d.cancelled,
         streamed: m.deltas, ts: f.ts,
       }, f);
-      m.streaming = "";
-      m.deltas = 0;
+      endStream(m);
       break;
     case "tool_call":
       insertItem(m, { seq: f.seq, kind: "note", text: `tool: ${d.name ?? "?"}` }, f);
@@ -151,11 +217,10 @@ function applyEvent(f) {
       }, f);
       setStatus(m, "idle", null, f.seq);
       if ("goal_state" in d) setGoal(m, d.goal_state, f.seq);
-      m.streaming = "";
-      m.deltas = 0;
+      endStream(m);
       break;
     case "deleted":
-      removeConversation(f.chat_id);
+      removeConversation(f.chat_id, true);
       break;
     default:
       break; // reasoning_delta, tool_result, custom events: not shown by this demo
@@ -172,6 +237,25 @@ function setTitle(chatId, title, seq) {
   scheduleRender();
 }
 
+/**
+ * What the open chat cost, short: tokens on the path shown (and billed over every version,
+ * when a retry or an edit made them differ), and cost if the agent reports one. `detail`
+ * lists every reported number, for the tooltip.
+ */
+function usageText(usage) {
+  if (!usage || !Object.keys(usage.billed ?? {}).length) return { text: "", detail: "" };
+  const tokens = (totals) => Object.entries(totals ?? {})
+    .filter(([name]) => name.endsWith("_tokens")).reduce((sum, [, n]) => sum + n, 0);
+  const number = (n) => n.toLocaleString(undefined, { maximumFractionDigits: 4 });
+  const shown = tokens(usage.active), billed = tokens(usage.billed);
+  let text = `${number(shown)} tokens`;
+  if (billed !== shown) text += ` (${number(billed)} billed)`;
+  if (usage.billed.cost != null) text += ` · cost ${number(usage.billed.cost)}`;
+  const list = (totals) => Object.entries(totals ?? {}).map(([k, n]) => `${k} ${number(n)}`)
+    .join(", ") || "nothing";
+  return { text, detail: `This version: ${list(usage.active)}. Billed: ${list(usage.billed)}.` };
+}
+
 function upsertConversation(c) {
   const old = conversations.get(c.chat_id);
   const seq = c.last_seq ?? 0;
@@ -183,33 +267,50 @@ function upsertConversation(c) {
     updated_at: c.updated_at ?? 0,
     preview: c.preview ?? null,
     goal_state: c.goal_state ?? null,
+    usage: c.usage ?? old?.usage ?? null,
     seq,
   });
   const m = models.get(c.chat_id);
   if (m) setGoal(m, c.goal_state ?? null, seq);
 }
 
-function removeConversation(chatId) {
+/** A conversation is gone (deleted here, on another device, or through the API). */
+function removeConversation(chatId, elsewhere = false) {
+  if (!conversations.has(chatId) && !models.has(chatId)) return;
+  const title = conversationTitle(conversations.get(chatId));
   conversations.delete(chatId);
   models.delete(chatId);
+  if (editingTitle === chatId) editingTitle = null;
+  if (confirmingDelete === chatId) confirmingDelete = null;
   if (active === chatId) {
     active = null;
     setUrlChat(null);
+    if (elsewhere) notice(`“${title}” was deleted.`);
   }
   scheduleRender();
 }
 
-async function loadConversations() {
-  const page = await api("GET", "/v1/conversations?limit=100");
-  const seen = new Set();
-  for (const c of page.conversations) {
-    seen.add(c.chat_id);
-    upsertConversation(c);
-  }
-  if (page.next_cursor == null) {
-    for (const id of [...conversations.keys()]) if (!seen.has(id) && id !== active) conversations.delete(id);
-  }
-  scheduleRender();
+let listing = null;
+
+/**
+ * The conversation list (GET /v1/conversations through the client: each attempt with a
+ * timeout, retried until it succeeds). On load and on every `feed_gap` (a reconnect: the
+ * feed frames sent meanwhile are not replayed).
+ */
+function loadConversations() {
+  if (listing) return listing;
+  listing = client.listConversations({ limit: 100 }).then((page) => {
+    const seen = new Set();
+    for (const c of page.conversations) {
+      seen.add(c.chat_id);
+      upsertConversation(c);
+    }
+    if (page.next_cursor == null) {
+      for (const id of [...conversations.keys()]) if (!seen.has(id) && id !== active) conversations.delete(id);
+    }
+    scheduleRender();
+  }, (err) => { throw plainError(err); }).finally(() => { listing = null; });
+  return listing;
 }
 
 /**
@@ -234,15 +335,12 @@ async function fetchPath(m) {
 function loadHistory(m) {
   if (m.loading) return m.loading;
   m.loading = (async () => {
-    let since = null;
+    let since;
     try {
       since = await fetchPath(m);
     } catch (err) {
-      if (err.status !== 404) {
-        m.loading = null;
-        throw err;
-      }
-      since = null; // not created yet: the subscribe creates it
+      m.loading = null;
+      throw err;
     }
     m.loaded = true;
     m.error = null;
@@ -264,7 +362,7 @@ function ensurePath(m) {
   if (pos.seq < tree.headSeq || m.reloadedAt === tree.headSeq || !tree.missing().length) return;
   m.reloadedAt = tree.headSeq;
   m.reloading = fetchPath(m)
-    .catch((err) => notice(`Could not load that version: ${err.message}`))
+    .catch((err) => notice(`Could not load that version. ${err.message}`))
     .finally(() => {
       m.reloading = null;
       ensurePath(m); // the head may have moved again meanwhile
@@ -278,13 +376,17 @@ function setUrlChat(chatId) {
   const q = new URLSearchParams(location.search);
   if (chatId) q.set("chat", chatId);
   else q.delete("chat");
-  history.replaceState(null, "", `${location.pathname}?${q}`);
+  history.replaceState(null, "", `${location.pathname}${q.size ? `?${q}` : ""}`);
 }
 
+/** Show a chat (null: a new one, created by its first message). */
 async function selectChat(chatId) {
+  closeDrawer();
   if (active === chatId) return;
   const previous = active;
   active = chatId;
+  editingTitle = null;
+  confirmingDelete = null;
   // Unsubscribe (not leave): the gateway buffers the old chat's frames on this connection,
   // so a turn that streams off-screen is complete when we come back.
   if (previous) {
@@ -294,7 +396,20 @@ async function selectChat(chatId) {
   }
   setUrlChat(chatId);
   scheduleRender();
-  await openChat(model(chatId));
+  if (chatId) await openChat(model(chatId));
+}
+
+/** This chat cannot be shown (a link to one that does not exist, or someone else's). */
+function unavailable(chatId, err) {
+  removeConversation(chatId);
+  if (active === chatId || active === null) {
+    active = null;
+    setUrlChat(null);
+  }
+  notice(err.status === 404 || err.code === "not_found"
+    ? `There is no conversation “${chatId}”: the link is wrong, or it was deleted. Type below to start a new one.`
+    : `${err.message} Type below to start a new one.`);
+  scheduleRender();
 }
 
 async function openChat(m) {
@@ -303,7 +418,11 @@ async function openChat(m) {
     try {
       since = await loadHistory(m);
     } catch (err) {
-      m.error = `Could not load the history: ${err.message}. Retrying when reconnected.`;
+      if (err.status === 404 || err.status === 403) {
+        unavailable(m.chatId, err);
+        return;
+      }
+      if (!blocked) m.error = `Could not load this conversation. ${err.message} Retrying when reconnected.`;
       scheduleRender();
       return;
     }
@@ -311,35 +430,57 @@ async function openChat(m) {
   }
   if (active !== m.chatId) return;
   m.since = null; // used once: later subscribes resume from the client's own position
-  client.subscribe(m.chatId, since ? { since } : {}).catch((err) => notice(describe(err)));
+  // create: false: opening a conversation never creates one (a link to a deleted chat).
+  client.subscribe(m.chatId, since ? { since, create: false } : { create: false }).catch((err) => {
+    if (err?.code === "not_found" || err?.code === "forbidden") unavailable(m.chatId, err);
+    else notice(describe(err));
+  });
   scheduleRender();
 }
 
-async function newChat() {
-  try {
-    const c = await api("POST", "/v1/conversations", {});
-    upsertConversation({ ...c, created: true });
-    const m = model(c.chat_id);
-    m.loaded = true;
-    m.since = { seq: c.last_seq, epoch: c.epoch };
-    await selectChat(c.chat_id);
-    $("input").focus();
-  } catch (err) {
-    notice(`Could not create a conversation: ${err.message}`);
-  }
+/** A fresh chat id, made here so the first message can be shown before the chat exists. */
+function newChatId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(8));
+  return `c_${[...bytes].map((b) => b.toString(16).padStart(2, "0")).join("")}`;
 }
 
-function send() {
-  const input = $("input");
-  const text = input.value.trim();
-  if (!text || !active) return;
-  const m = model(active);
-  if (m.status === "running") return;
+/** The first message of a new chat: create it (POST), open it, then send the message. */
+async function startChat(text) {
+  const chatId = newChatId();
+  const m = model(chatId);
   const clientMsgId = newClientMsgId();
   m.pending.set(clientMsgId, { text, state: "sending", error: null });
-  input.value = "";
-  autosize();
-  client.sendMessage(active, text, { clientMsgId }).then(
+  m.loaded = true;
+  active = chatId;
+  scheduleRender();
+  let c;
+  try {
+    c = await api("POST", "/v1/conversations", { chat_id: chatId });
+  } catch (err) {
+    models.delete(chatId);
+    if (active === chatId) {
+      active = null;
+      const input = $("input");
+      if (!input.value.trim()) {
+        input.value = text; // not sent: the text comes back, to send again
+        autosize();
+      }
+    }
+    if (!blocked) notice(`Your message was not sent. ${err.message}`);
+    scheduleRender();
+    return;
+  }
+  upsertConversation({ ...c, created: true });
+  m.since = { seq: c.last_seq, epoch: c.epoch };
+  if (active === chatId) {
+    setUrlChat(chatId);
+    await openChat(m);
+  }
+  deliver(m, clientMsgId, text);
+}
+
+function deliver(m, clientMsgId, text) {
+  client.sendMessage(m.chatId, text, { clientMsgId }).then(
     () => {
       const p = m.pending.get(clientMsgId);
       if (p) p.state = "sent";
@@ -354,6 +495,29 @@ function send() {
       scheduleRender();
     },
   );
+}
+
+function send() {
+  if (blocked) return;
+  const input = $("input");
+  const text = input.value.trim();
+  if (!text) return;
+  const m = active ? model(active) : null;
+  if (m?.status === "running") {
+    // Not queued: the answer may change what the user wants to say. The text stays.
+    hint("The agent is still answering: press Stop, or wait and then send.", "busy");
+    return;
+  }
+  hint();
+  input.value = "";
+  autosize();
+  if (!m) {
+    startChat(text);
+    return;
+  }
+  const clientMsgId = newClientMsgId();
+  m.pending.set(clientMsgId, { text, state: "sending", error: null });
+  deliver(m, clientMsgId, text);
   scheduleRender();
 }
 
@@ -361,6 +525,53 @@ function stop() {
   if (!active) return;
   const m = model(active);
   client.cancel(active, m.turnId ?? undefined).catch((err) => notice(describe(err)));
+  $("input").focus(); // Stop disappears when the turn ends: keep the focus somewhere useful
+}
+
+// --- rename and delete (HTTP; every device hears it through the feed) ---------------------
+
+function startRename(chatId) {
+  editingTitle = chatId;
+  confirmingDelete = null;
+  renderSidebar();
+  const input = document.querySelector(`[data-chat-id="${CSS.escape(chatId)}"] .rename-input`);
+  input?.focus();
+  input?.select();
+}
+
+async function saveRename(chatId, value) {
+  const title = value.trim().replace(/\s+/g, " ");
+  const c = conversations.get(chatId);
+  editingTitle = null;
+  if (!title || title === (c?.title ?? "")) {
+    scheduleRender();
+    return;
+  }
+  if (c) c.title = title; // shown at once; the feed confirms it
+  scheduleRender();
+  try {
+    upsertConversation(await api("PATCH", `/v1/conversations/${encodeURIComponent(chatId)}`, { title }));
+  } catch (err) {
+    if (!blocked) notice(`Could not rename it. ${err.message}`);
+    loadConversations().catch(() => {});
+  }
+  scheduleRender();
+}
+
+async function deleteChat(chatId) {
+  confirmingDelete = null;
+  try {
+    await api("DELETE", `/v1/conversations/${encodeURIComponent(chatId)}`);
+  } catch (err) {
+    if (err.status !== 404) {
+      if (!blocked) notice(`Could not delete it. ${err.message}`);
+      scheduleRender();
+      return;
+    }
+  }
+  removeConversation(chatId);
+  closeDrawer();
+  $("input").focus();
 }
 
 // --- the conversation tree: retry, edit, undo, switch ------------------------------------
@@ -406,26 +617,92 @@ function switchTo(m, nodeId) {
   client.switch(m.chatId, nodeId).catch((err) => notice(describe(err)));
 }
 
+/** A refusal from the gateway (a GatewayError), in words for people. */
 function describe(err) {
   const text = {
     turn_in_progress: "The agent is still answering: wait, or press Stop.",
     text_too_long: "That message is too long.",
     forbidden: "That conversation belongs to someone else.",
+    not_found: "That conversation does not exist any more.",
     no_active_turn: "Nothing to stop.",
     conflict: "This conversation changed on another device meanwhile: nothing was done.",
     not_on_path: "That message is not on the conversation shown any more.",
     nothing_to_retry: "There is no answer to retry.",
     nothing_to_undo: "There is nothing to undo.",
+    rate_limited: "Slow down: the gateway is rate limiting this page.",
+    disconnected: "The connection dropped before the gateway answered: try again.",
+    not_connected: "Not connected: try again once the page says Connected.",
   }[err?.code];
-  return text ?? err?.message ?? String(err);
+  return text ?? "The gateway could not do that: try again.";
 }
 
-function notice(text) {
+// --- notices, hints and announcements ------------------------------------------------------
+
+/** A notice stays until dismissed or replaced (sticky ones cannot be dismissed). */
+function notice(text, { sticky = false } = {}) {
   const box = $("notice");
-  box.textContent = text;
+  if (box.dataset.sticky === "true" && !sticky) return; // the sign-in problem comes first
+  // `text` between backticks is a command: shown as code, never broken across lines.
+  $("notice-text").replaceChildren(...text.split("`").map((part, i) => (i % 2 ? h("code", { text: part }) : part)));
+  box.dataset.sticky = String(sticky);
+  $("notice-close").hidden = sticky;
   box.hidden = false;
-  clearTimeout(noticeTimer);
-  noticeTimer = setTimeout(() => { box.hidden = true; }, 6000);
+}
+
+function dismissNotice() {
+  const box = $("notice");
+  if (box.dataset.sticky === "true") return;
+  box.hidden = true;
+  $("input").focus();
+}
+
+const KEYS_HINT = "Enter to send, Shift+Enter for a new line";
+
+/** The line under the message box: the keys, or why Enter did nothing. */
+function hint(text = null, kind = "keys") {
+  const box = $("composer-hint");
+  box.textContent = text ?? KEYS_HINT;
+  box.dataset.kind = text ? kind : "keys";
+}
+
+/** Said once to screen readers (the transcript's own additions are announced by the log). */
+function announce(text) {
+  const box = $("announcer");
+  box.textContent = "";
+  setTimeout(() => { box.textContent = text; }, 50); // a change, even when the same words
+}
+
+/** The token was refused: say what to do, and turn off everything that needs it. */
+function signedOut(expired) {
+  if (blocked) return;
+  blocked = true;
+  try { sessionStorage.removeItem(TOKEN_KEY); } catch { /* nothing kept */ }
+  client?.close();
+  const what = expired ? "Your sign-in has expired." : "Your sign-in was not accepted.";
+  notice(`${what} Open the page again with the link printed by \`gateway serve --dev\` `
+    + "(it ends in ?token=…), or sign in again.", { sticky: true });
+  renderConnection({ state: "closed", code: expired ? 4011 : 4001 });
+  scheduleRender();
+}
+
+// --- the drawer (phones) ---------------------------------------------------------------------
+
+function openDrawer() {
+  $("app").dataset.drawer = "open";
+  $("open-drawer").setAttribute("aria-expanded", "true");
+  $("scrim").hidden = false;
+  $("chat").inert = true; // a modal drawer: focus stays in it
+  ($("conversations").querySelector('[aria-current="true"] .select') ?? $("new-chat")).focus();
+}
+
+function closeDrawer() {
+  if ($("app").dataset.drawer !== "open") return;
+  const hadFocus = $("sidebar").contains(document.activeElement);
+  $("app").dataset.drawer = "closed";
+  $("open-drawer").setAttribute("aria-expanded", "false");
+  $("scrim").hidden = true;
+  $("chat").inert = false;
+  if (hadFocus) $("open-drawer").focus();
 }
 
 // --- rendering -------------------------------------------------------------------------
@@ -458,6 +735,18 @@ function h(tag, attrs = {}, ...children) {
   return node;
 }
 
+/**
+ * Make `parent`'s children `nodes`, moving only what changed: a node that stays is not
+ * taken out and put back (the log would announce it again, and focus inside it would drop).
+ */
+function reconcile(parent, nodes) {
+  nodes.forEach((node, i) => {
+    const at = parent.children[i];
+    if (at !== node) parent.insertBefore(node, at ?? null);
+  });
+  while (parent.children.length > nodes.length) parent.lastElementChild.remove();
+}
+
 function conversationTitle(c) {
   return c?.title || "New chat";
 }
@@ -469,6 +758,50 @@ function render() {
 
 const sidebarNodes = new Map();
 
+function toolButton(text, testId, label, onClick, cls = "tool") {
+  const b = h("button", { type: "button", class: cls, "data-testid": testId, "aria-label": label, title: label, text });
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+/** The row's controls for the open chat: Rename, Delete (then a confirmation), or the title editor. */
+function rowActions(c) {
+  const id = c.chat_id;
+  if (editingTitle === id) {
+    const input = h("input", {
+      class: "rename-input", "data-testid": "rename-input", "aria-label": "Conversation title",
+      maxlength: 200, value: c.title ?? "",
+    });
+    input.value = c.title ?? "";
+    const cancel = () => { editingTitle = null; scheduleRender(); $("conversations").querySelector(`[data-chat-id="${CSS.escape(id)}"] .select`)?.focus(); };
+    input.addEventListener("keydown", (ev) => {
+      if (ev.key === "Enter" && !ev.isComposing) { ev.preventDefault(); saveRename(id, input.value); }
+      else if (ev.key === "Escape") { ev.preventDefault(); ev.stopPropagation(); cancel(); }
+    });
+    return h("div", { class: "row-edit" }, input,
+      toolButton("Save", "rename-save", "Save the title", () => saveRename(id, input.value), "row-button"),
+      toolButton("Cancel", "rename-cancel", "Cancel renaming", cancel, "row-button"));
+  }
+  if (confirmingDelete === id) {
+    return h("div", { class: "row-confirm", role: "group", "aria-label": "Delete this conversation?" },
+      h("span", { class: "row-question", text: "Delete it for good?" }),
+      toolButton("Delete", "delete-confirm", `Delete “${conversationTitle(c)}” for good`, () => deleteChat(id), "row-button danger"),
+      toolButton("Keep", "delete-cancel", "Keep this conversation", () => {
+        confirmingDelete = null;
+        scheduleRender();
+        requestAnimationFrame(() => $("conversations").querySelector(`[data-chat-id="${CSS.escape(id)}"] [data-testid="delete"]`)?.focus());
+      }, "row-button"));
+  }
+  return h("div", { class: "row-actions" },
+    toolButton("Rename", "rename", `Rename “${conversationTitle(c)}”`, () => startRename(id), "row-icon"),
+    toolButton("Delete", "delete", `Delete “${conversationTitle(c)}”`, () => {
+      confirmingDelete = id;
+      editingTitle = null;
+      renderSidebar();
+      $("conversations").querySelector(`[data-chat-id="${CSS.escape(id)}"] [data-testid="delete-cancel"]`)?.focus();
+    }, "row-icon"));
+}
+
 function renderSidebar() {
   const list = $("conversations");
   const sorted = [...conversations.values()].sort((a, b) => (b.updated_at - a.updated_at) || a.chat_id.localeCompare(b.chat_id));
@@ -476,30 +809,41 @@ function renderSidebar() {
     let li = sidebarNodes.get(c.chat_id);
     if (!li) {
       li = h("li", { class: "conversation", "data-testid": "conversation", "data-chat-id": c.chat_id });
-      const button = h("button", { type: "button" },
+      const select = h("button", { type: "button", class: "select" },
         h("span", { class: "title", "data-testid": "conversation-title" }),
         h("span", { class: "badge", "data-testid": "conversation-status" }),
         h("span", { class: "preview", "data-testid": "conversation-preview" }));
-      button.addEventListener("click", () => selectChat(c.chat_id));
-      li.append(button);
+      select.addEventListener("click", () => selectChat(c.chat_id));
+      li.append(select, h("div", { class: "row-slot" }));
       sidebarNodes.set(c.chat_id, li);
     }
+    const isActive = c.chat_id === active;
     li.dataset.status = c.status;
-    li.classList.toggle("active", c.chat_id === active);
-    if (c.chat_id === active) li.setAttribute("aria-current", "true");
-    else li.removeAttribute("aria-current");
+    li.classList.toggle("active", isActive);
+    const select = li.querySelector(".select");
+    if (isActive) select.setAttribute("aria-current", "true");
+    else select.removeAttribute("aria-current");
     const title = li.querySelector(".title");
     const hasGoal = !!c.goal_state?.active;
     title.textContent = conversationTitle(c);
-    if (hasGoal) title.prepend(h("span", { class: "goal-dot", title: "active goal", text: "◎" }));
+    if (hasGoal) title.prepend(h("span", { class: "goal-dot", title: "active goal", "aria-label": "active goal: ", text: "◎" }));
     li.querySelector(".badge").textContent = c.status === "running" ? "running" : "";
     li.querySelector(".preview").textContent = c.preview ?? "";
+    // The row's controls, for the open chat only; rebuilt only when their state changes
+    // (rebuilding would take the focus away from them).
+    const slot = li.querySelector(".row-slot");
+    const state = !isActive || blocked ? "" : `${editingTitle === c.chat_id ? "edit" : confirmingDelete === c.chat_id ? "confirm" : "tools"}:${conversationTitle(c)}`;
+    if (slot.dataset.state !== state) {
+      slot.dataset.state = state;
+      if (state) slot.replaceChildren(rowActions(c));
+      else slot.replaceChildren();
+    }
+    li.classList.toggle("editing", editingTitle === c.chat_id && isActive);
     return li;
   });
   for (const id of [...sidebarNodes.keys()]) if (!conversations.has(id)) sidebarNodes.delete(id);
-  if (nodes.length !== list.children.length || nodes.some((n, i) => list.children[i] !== n)) {
-    list.replaceChildren(...nodes);
-  }
+  reconcile(list, nodes);
+  $("new-chat").disabled = blocked;
 }
 
 function formatLatency(ms) {
@@ -507,15 +851,22 @@ function formatLatency(ms) {
   return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(ms < 10000 ? 2 : 1)} s`;
 }
 
+/** Who wrote a message, for screen readers (sighted people see it from the layout). */
+function author(kind) {
+  return h("span", { class: "sr-only", text: kind === "user" ? "You said: " : "The agent said: " });
+}
+
 function itemNode(m, it) {
   let node = m.nodes.get(it.key);
   if (node) return node;
   if (it.kind === "user" || it.kind === "assistant") {
-    node = h("div", {
-      class: `msg ${it.kind}${it.cancelled ? " cancelled" : ""}`, "data-testid": "message",
-      "data-role": it.kind, "data-seq": it.seq, "data-node": it.node,
-      "data-streamed": it.kind === "assistant" ? it.streamed : null,
-    }, h("div", { class: "bubble", "data-testid": "message-text", text: it.text }));
+    node = h("div", { class: `msg ${it.kind}${it.cancelled ? " cancelled" : ""}` },
+      author(it.kind),
+      h("div", {
+        class: "bubble", "data-testid": "message", "data-role": it.kind, "data-seq": it.seq,
+        "data-node": it.node, "data-streamed": it.kind === "assistant" ? it.streamed : null,
+        text: it.text,
+      }));
     if (it.cancelled) node.append(h("div", { class: "meta", text: "stopped" }));
   } else if (it.kind === "turn_end") {
     node = h("div", {
@@ -539,16 +890,19 @@ function pendingNode(m, id, p) {
     node = h("div", {
       class: `msg user pending${failed ? " failed" : ""}`, "data-testid": "pending-message",
       "data-state": p.state, "data-client-msg-id": id,
-    }, h("div", { class: "bubble", text: p.text }), h("div", { class: "meta", "data-role": "meta" }));
+    }, author("user"), h("div", { class: "bubble", text: p.text }), h("div", { class: "meta", "data-role": "meta" }));
     if (failed) {
-      node.title = "click to dismiss";
-      node.addEventListener("click", () => { m.pending.delete(id); scheduleRender(); });
+      node.append(toolButton("Dismiss", "dismiss-failed", "Dismiss this unsent message", () => {
+        m.pending.delete(id);
+        scheduleRender();
+      }));
     }
     m.nodes.set(key, node);
   }
   const meta = node.querySelector('[data-role="meta"]');
-  meta.textContent = p.state === "failed" ? `${p.error} (click to dismiss)`
-    : p.state === "sent" ? "sent" : client.connected ? "sending…" : "queued: sent when reconnected";
+  const text = p.state === "failed" ? p.error
+    : p.state === "sent" ? "sent" : client?.connected ? "sending…" : "queued: sent when reconnected";
+  if (meta.textContent !== text) meta.textContent = text;
   return node;
 }
 
@@ -648,15 +1002,38 @@ function pathNodes(m) {
   return nodes.filter((n) => n != null);
 }
 
+/**
+ * The answer being written. Not announced as it grows (aria-live off, busy): the log
+ * announces the finished message once. When the agent starts over (a redelivered turn),
+ * the text it had is kept, dimmed, past what the new attempt wrote, until it is passed.
+ */
 function streamingNode(m) {
   let node = m.nodes.get("streaming");
   if (!node) {
-    node = h("div", { class: "msg assistant streaming", "data-testid": "streaming" },
-      h("div", { class: "bubble", "data-testid": "streaming-text" }));
+    node = h("div", { class: "msg assistant streaming", "data-testid": "streaming", "aria-live": "off", "aria-busy": "true" },
+      h("span", { class: "sr-only", text: "The agent is writing: " }),
+      h("div", { class: "bubble", "data-testid": "streaming-text" },
+        h("span", { class: "fresh" }), h("span", { class: "stale", "data-testid": "streaming-stale", "aria-hidden": "true" })));
     m.nodes.set("streaming", node);
   }
-  node.firstChild.textContent = m.streaming;
+  const [fresh, stale] = node.querySelector(".bubble").children;
+  const rest = m.discarded.startsWith(m.streaming) ? m.discarded.slice(m.streaming.length) : "";
+  if (fresh.textContent !== m.streaming) fresh.textContent = m.streaming;
+  if (stale.textContent !== rest) stale.textContent = rest;
   node.dataset.deltas = String(m.deltas);
+  node.dataset.restarted = String(!!m.discarded);
+  return node;
+}
+
+/** The earlier attempt, when the new one does not start like it: dimmed until passed. */
+function discardedNode(m) {
+  let node = m.nodes.get("discarded");
+  if (!node) {
+    node = h("div", { class: "msg assistant discarded", "data-testid": "discarded", "aria-hidden": "true" },
+      h("div", { class: "bubble" }), h("div", { class: "meta", text: "starting over…" }));
+    m.nodes.set("discarded", node);
+  }
+  node.firstChild.textContent = m.discarded;
   return node;
 }
 
@@ -674,12 +1051,23 @@ function renderChat() {
   chat.dataset.buffered = String(m?.lastSubscribe?.buffered ?? "");
   chat.dataset.overflowed = String(m?.lastSubscribe?.overflowed ?? "");
   chat.dataset.replayed = String(m?.lastSubscribe?.replayed ?? "");
-  $("empty").hidden = !!active;
-  $("chat-title").textContent = active ? conversationTitle(c) : "No conversation";
-  document.title = active ? `${conversationTitle(c)} · gateway demo` : "gateway · demo chat";
+  $("empty").hidden = !!active || blocked;
+  const title = conversationTitle(c);
+  if ($("chat-title").textContent !== title) $("chat-title").textContent = title;
+  document.title = active ? `${title} · gateway demo` : "gateway · demo chat";
+  const running = m?.status === "running";
+  const online = !!client?.connected;
   const status = $("chat-status");
-  status.dataset.status = m?.status ?? "idle";
-  status.textContent = m?.status === "running" ? "agent is answering…" : "";
+  // Never "answering" while offline: nobody knows, and the page cannot show it.
+  const statusText = running ? (online ? "agent is answering…" : "waiting for the connection…") : "";
+  status.dataset.status = running ? (online ? "running" : "unknown") : "idle";
+  if (status.textContent !== statusText) status.textContent = statusText;
+
+  const usage = $("chat-usage");
+  const spent = usageText(c?.usage);
+  usage.hidden = !spent.text;
+  if (usage.textContent !== spent.text) usage.textContent = spent.text;
+  usage.title = spent.detail;
 
   const goal = m?.goal;
   const strip = $("goal");
@@ -700,85 +1088,114 @@ function renderChat() {
   if (m) {
     nodes.push(...pathNodes(m));
     for (const [id, p] of m.pending) nodes.push(pendingNode(m, id, p));
-    if (m.streaming) nodes.push(streamingNode(m));
+    if (m.discarded && !m.discarded.startsWith(m.streaming)) nodes.push(discardedNode(m));
+    if (m.streaming || m.discarded) nodes.push(streamingNode(m));
     if (m.error) nodes.push(h("div", { class: "note", "data-testid": "chat-error", text: m.error }));
   }
   const switched = box.dataset.chatId !== (active ?? "");
   const nearBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 80;
-  if (switched || nodes.length !== box.children.length || nodes.some((n, i) => box.children[i] !== n)) {
-    box.replaceChildren(...nodes);
-    box.dataset.chatId = active ?? "";
-  }
+  if (switched) box.replaceChildren(...nodes);
+  else reconcile(box, nodes);
+  box.dataset.chatId = active ?? "";
   if (switched || nearBottom) box.scrollTop = box.scrollHeight;
 
-  const running = m?.status === "running";
-  $("composer").dataset.disabled = String(!active);
-  $("send").disabled = !active || running;
-  $("stop").hidden = !running;
+  // While an answer streams, Send becomes Stop (in the same place; Enter says so).
+  $("composer").dataset.disabled = String(blocked);
+  $("input").disabled = blocked;
+  const send = $("send");
+  const stopButton = $("stop");
+  const hadFocus = document.activeElement;
+  send.hidden = running;
+  send.disabled = blocked || running;
+  stopButton.hidden = !running || blocked;
+  if (running && hadFocus === send) stopButton.focus();
+  if (!running && hadFocus === stopButton) send.focus();
   // Undo takes back the active path's last user message (there is one unless it is empty).
-  $("undo").disabled = !active || running || !tree?.headKnown || tree.head == null;
+  const undoButton = $("undo");
+  undoButton.disabled = blocked || !active || running || !tree?.headKnown || tree.head == null;
+  if (!running && $("composer-hint").dataset.kind === "busy") hint();
 }
 
 let countdown = null;
 
+const CLOSE_REASONS = {
+  1012: "the gateway is restarting", 1013: "the gateway's backend is unavailable",
+  4008: "the connection was too slow", 4029: "too many connections",
+};
+
+/** The connection indicator: what is happening, in words, and the real wait. */
 function renderConnection(s) {
-  clearInterval(countdown);
-  if (s.state === "reconnecting" && s.retryAt) {
-    // Count down to the next attempt.
-    countdown = setInterval(() => renderConnection({ ...s, delay: s.retryAt - Date.now() }), 1000);
-  }
+  clearTimeout(countdown);
   const box = $("connection");
   box.dataset.state = s.state;
-  const reasons = {
-    1012: "server restarting", 1013: "backend unavailable", 4008: "too slow", 4011: "token expired",
-    4029: "too many requests", 4001: "invalid token", 4003: "origin not allowed", 4004: "protocol error",
-  };
   let label;
   const offline = s.state !== "open" && (s.reason === "offline" || globalThis.navigator?.onLine === false);
-  switch (offline ? "offline" : s.state) {
+  switch (blocked ? "signed-out" : offline ? "offline" : s.state) {
+    case "signed-out": label = "Not signed in"; box.dataset.state = "closed"; break;
     case "offline": label = "Offline: waiting for the network"; box.dataset.state = "offline"; break;
     case "open": label = "Connected"; break;
     case "connecting": label = everConnected ? "Reconnecting…" : "Connecting…"; break;
     case "reconnecting": {
-      const why = reasons[s.code] ? ` (${reasons[s.code]})` : "";
-      const left = Math.ceil((s.delay ?? 0) / 1000);
-      label = left > 0 ? `Reconnecting in ${left} s${why}` : `Reconnecting…${why}`;
+      const why = CLOSE_REASONS[s.code] ? ` (${CLOSE_REASONS[s.code]})` : "";
+      const left = s.retryAt ? s.retryAt - Date.now() : s.delay ?? 0;
+      // Whole seconds only when there is a second to wait: a 0.1 s wait is "Reconnecting…".
+      label = left >= 1000 ? `Reconnecting in ${Math.round(left / 1000)} s${why}` : `Reconnecting…${why}`;
+      if (left >= 1000 && s.retryAt) {
+        countdown = setTimeout(() => renderConnection(s), Math.min(left - 500, 1000 - ((left - 500) % 1000)));
+      }
       break;
     }
-    case "closed": label = `Disconnected${reasons[s.code] ? `: ${reasons[s.code]}` : ""}`; break;
+    case "closed": label = "Disconnected"; break;
     default: label = "Starting…";
   }
   $("connection-label").textContent = label;
-  box.title = s.reason ? `${s.code ?? ""} ${s.reason}` : "";
 }
 
 function autosize() {
   const input = $("input");
   input.style.height = "auto";
-  input.style.height = `${Math.min(160, input.scrollHeight + 2)}px`;
+  const max = Math.max(64, Math.min(200, innerHeight * 0.3));
+  input.style.height = `${Math.min(max, input.scrollHeight + 2)}px`;
+  input.style.overflowY = input.scrollHeight + 2 > max ? "auto" : "hidden";
 }
 
 // --- boot ------------------------------------------------------------------------------
 
-async function boot() {
-  $("new-chat").addEventListener("click", newChat);
+function wire() {
+  $("new-chat").addEventListener("click", () => {
+    selectChat(null);
+    $("input").focus();
+  });
+  $("open-drawer").addEventListener("click", openDrawer);
+  $("close-drawer").addEventListener("click", closeDrawer);
+  $("scrim").addEventListener("click", closeDrawer);
+  $("notice-close").addEventListener("click", dismissNotice);
+  document.addEventListener("keydown", (ev) => {
+    if (ev.key === "Escape" && $("app").dataset.drawer === "open") closeDrawer();
+  });
+  phone.addEventListener("change", () => { if (!phone.matches) closeDrawer(); });
   $("composer").addEventListener("submit", (ev) => { ev.preventDefault(); send(); });
   $("stop").addEventListener("click", stop);
   $("undo").addEventListener("click", undo);
   $("input").addEventListener("input", autosize);
+  addEventListener("resize", autosize);
   $("input").addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
       ev.preventDefault();
       send();
     }
   });
+}
 
+async function boot() {
+  wire();
+  autosize();
   if (!token) {
-    $("empty").hidden = true;
-    notice("No token. Open the page URL printed by `gateway serve --dev` (it ends in ?token=…).");
-    clearTimeout(noticeTimer);
-    $("composer").dataset.disabled = "true";
+    blocked = true;
+    notice("No sign-in. Open the page with the link printed by `gateway serve --dev` "
+      + "(it ends in ?token=…).", { sticky: true });
     renderConnection({ state: "closed" });
+    render();
     $("app").dataset.ready = "true";
     return;
   }
@@ -786,22 +1203,25 @@ async function boot() {
   client = new GatewayClient({ token, maxDelay: 8000 });
   window.demo = { client, conversations, models };
   client.on("state", (s) => {
-    console.info(`[gateway] ${s.state}`, s.code ?? "", s.reason ?? "", s.delay != null ? `retry in ${s.delay} ms` : "");
+    // Never the URL or the token: only the state, the close code and the wait.
+    console.info(`[gateway] ${s.state}`, s.code ?? "", s.delay != null ? `retry in ${s.delay} ms` : "");
+    if (s.state === "closed" && (s.code === 4001 || s.code === 4011)) {
+      signedOut(s.code === 4011 || /expired/i.test(s.reason ?? ""));
+      return;
+    }
     renderConnection(s);
     if (s.state !== "open") for (const m of models.values()) m.subscribed = false;
-    scheduleRender(); // pending bubbles say "queued" while offline
+    render(); // now, not at the next frame: the header stops saying "answering" with the socket
   });
   client.on("hello", (hello) => {
     $("whoami").textContent = `signed in as ${hello.user_id}`;
-    if (everConnected) {
-      // The feed is not replayed: catch up on what changed while we were away.
-      loadConversations().catch(() => {});
-      if (active && !model(active).loaded) openChat(model(active));
-    }
+    if (everConnected && active && !model(active).loaded) openChat(model(active));
     everConnected = true;
   });
+  // Reconnected: the feed frames sent meanwhile are not replayed; the list catches up.
+  client.on("feed_gap", () => { loadConversations().catch(() => {}); });
   client.on("conversation", (f) => {
-    if (f.deleted) removeConversation(f.chat_id);
+    if (f.deleted) removeConversation(f.chat_id, true);
     else upsertConversation(f);
     scheduleRender();
   });
@@ -817,6 +1237,8 @@ async function boot() {
     ensurePath(m); // after a replay of nothing, the head is known in full now
     setGoal(m, snap.goal_state ?? null, frame.seq); // the goal survives a reload
     if (snap.title) setTitle(chatId, snap.title, frame.seq);
+    const c = conversations.get(chatId);
+    if (c && snap.usage && frame.seq >= (c.seq ?? -1)) c.usage = snap.usage;
     scheduleRender();
   });
   client.on("event", (f) => {
@@ -834,12 +1256,22 @@ async function boot() {
   client.on("stream", ({ chatId, stream, ended }) => {
     // The answer being written, whole: after a reload, a dropped network or on a second
     // device it is shown at once, then grows word by word, never a word twice.
-    const m = model(chatId);
+    const m = models.get(chatId);
+    if (!m) return;
     if (stream && stream.type === "delta") {
+      // Text that does not go on from what is shown: the agent started over. Keep what
+      // was shown (dimmed) until the new attempt passes it, so the answer never shrinks.
+      if (m.streaming && !stream.text.startsWith(m.streaming) && m.streaming.length > m.discarded.length) {
+        m.discarded = m.streaming;
+      }
       m.streaming = stream.text;
       m.deltas = stream.pos;
+      if (m.discarded && m.streaming.length >= m.discarded.length) m.discarded = "";
     } else if (!stream && ended !== "committed") {
-      m.streaming = ""; // discarded (the agent starts over) or gone while we were away
+      // Discarded (the turn was redelivered: the agent starts over) or gone while we were
+      // away: keep it, dimmed, until the next attempt passes it or the answer is stored.
+      if (m.streaming.length > m.discarded.length) m.discarded = m.streaming;
+      m.streaming = "";
       m.deltas = 0;
     }
     if (chatId === active) scheduleRender();
@@ -849,21 +1281,19 @@ async function boot() {
     // The gateway could not replay what we missed: start over from the HTTP history.
     const m = model(chatId);
     resetModel(m);
-    loadHistory(m).catch((err) => { m.error = `Could not reload: ${err.message}`; }).finally(scheduleRender);
+    loadHistory(m).catch((err) => { m.error = `Could not reload this conversation. ${err.message}`; }).finally(scheduleRender);
   });
   client.on("error", (f) => {
-    if (f.code === "rate_limited") notice("Slow down: the gateway is rate limiting this page.");
+    if (f.code === "rate_limited") notice(describe(f));
   });
   client.connect();
 
-  try {
-    await loadConversations();
-  } catch (err) {
-    notice(`Could not load conversations: ${err.message}`);
-  }
+  const listed = loadConversations().catch((err) => {
+    if (!blocked) notice(`Could not load your conversations. ${err.message}`);
+  });
   const wanted = params.get("chat");
-  const first = wanted ?? [...conversations.values()].sort((a, b) => b.updated_at - a.updated_at)[0]?.chat_id;
-  if (first) await selectChat(first);
+  if (wanted) await selectChat(wanted);
+  await listed;
   scheduleRender();
   $("app").dataset.ready = "true";
 }
