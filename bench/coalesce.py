@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import msgspec
@@ -37,6 +32,9 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import ClientConnection, connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from launch import free_port, start_gateway, stop_gateway
 
 from gateway.auth import issue_token
 from gateway.config import Settings
@@ -46,41 +44,12 @@ from gateway.redis.records import OutEvent
 from gateway.redis.store import Store
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def proc_counters(pid: int) -> tuple[float, int]:
     """CPU seconds (user + system) and write system calls of a process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
     return cpu, int(io["syscw"])
-
-
-def start_gateway(checkout: Path, redis_url: str, secret: str, port: int,
-                  data_dir: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    env.update({"GATEWAY_REDIS_URL": redis_url, "GATEWAY_SECRET": secret,
-                "GATEWAY_PORT": str(port), "GATEWAY_DATA_DIR": str(data_dir),
-                "GATEWAY_MAX_CONNECTIONS_PER_USER": "1000", "PYTHONPATH": str(checkout)})
-    python = checkout / ".venv" / "bin" / "python"
-    with open(data_dir / "gateway.log", "ab") as log:
-        proc = subprocess.Popen([str(python), "-m", "gateway", "serve", "--log-level", "warning"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=checkout)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"gateway exited with {proc.returncode}; see {data_dir}/gateway.log")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
-                if resp.status == 200:
-                    return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("gateway did not become ready")
 
 
 class Watcher:
@@ -175,16 +144,12 @@ def main() -> int:
         gateway = None
         try:
             secret, port = secrets.token_hex(16), free_port()
-            gateway = start_gateway(args.gateway_dir.resolve(), server.url, secret, port,
-                                    data_dir)
+            gateway = start_gateway(server.url, secret, port, data_dir,
+                                    checkout=args.gateway_dir,
+                                    env={"GATEWAY_MAX_CONNECTIONS_PER_USER": "1000"})
             asyncio.run(run(args, server.url, port, secret, gateway.pid))
         finally:
-            if gateway is not None and gateway.poll() is None:
-                gateway.send_signal(signal.SIGTERM)
-                try:
-                    gateway.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    gateway.kill()
+            stop_gateway(gateway)
             server.stop()
     return 0
 

@@ -29,7 +29,7 @@ from websockets.asyncio.client import connect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fanout import free_port, start_gateway
+from launch import free_port, start_gateway, stop_gateway
 
 from gateway.auth import issue_token
 from gateway.embedded import EmbeddedRedis
@@ -88,8 +88,7 @@ async def run(args: argparse.Namespace) -> None:
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on ^C
             spy.wait()
-        proc.terminate()
-        proc.wait()
+        stop_gateway(proc)
         redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -26,13 +26,9 @@ import asyncio
 import contextlib
 import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,10 +38,14 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from launch import free_port, start_gateway, stop_gateway
 
 from gateway.auth import issue_token
 from gateway.config import Settings
 from gateway.embedded import EmbeddedRedis
+from gateway.redis.backend import Backend
 from gateway.redis.records import OutEvent
 from gateway.redis.store import Store
 
@@ -74,37 +74,6 @@ class Stats:
         self.last_recv = 0.0
         self.done = asyncio.Event()
         self.remaining = subscribers
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_gateway(redis_url: str, secret: str, port: int,
-                  data_dir: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    env.update({"GATEWAY_REDIS_URL": redis_url, "GATEWAY_SECRET": secret,
-                "GATEWAY_PORT": str(port), "GATEWAY_DATA_DIR": str(data_dir)})
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    with open(data_dir / "gateway.log", "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--log-level", "warning"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"gateway exited with {proc.returncode}; see {data_dir}/gateway.log")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
-                if resp.status == 200:
-                    return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("gateway did not become ready")
 
 
 async def subscriber(index: int, url: str, binary: bool, events: int, stats: Stats,
@@ -182,7 +151,8 @@ async def run(args: argparse.Namespace, redis_url: str, port: int, secret: str,
               pids: dict[str, int]) -> int:
     stats = Stats(args.subscribers)
     client = aioredis.from_url(redis_url)
-    store = Store(client, Settings())
+    settings = Settings()
+    store = Store(Backend.of(client, settings), settings)
     try:
         await store.publish(CHAT_ID, [], create_owner=OWNER)  # the room exists, owned by OWNER
         ready, counter = asyncio.Event(), [0]
@@ -286,13 +256,7 @@ def main() -> int:
                     "bench client": os.getpid()}
             code = asyncio.run(run(args, server.url, port, secret, pids))
         finally:
-            if gateway is not None and gateway.poll() is None:
-                gateway.send_signal(signal.SIGTERM)
-                try:
-                    gateway.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    gateway.kill()
-                    gateway.wait()
+            stop_gateway(gateway)
             server.stop()
             log = (data_dir / "gateway.log").read_text(errors="replace").strip()
             if code != 0 and log:

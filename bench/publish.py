@@ -25,9 +25,7 @@ import asyncio
 import contextlib
 import os
 import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ from websockets.asyncio.client import ClientConnection, connect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from coalesce import free_port, start_gateway
+from launch import free_port, start_gateway, stop_gateway
 
 from gateway.auth import issue_token
 from gateway.config import Settings
@@ -98,15 +96,11 @@ async def measure(args: argparse.Namespace, checkout: Path) -> tuple[float, floa
         gateway = None
         try:
             secret, port = secrets.token_hex(16), free_port()
-            gateway = start_gateway(checkout, server.url, secret, port, data_dir)
+            gateway = start_gateway(server.url, secret, port, data_dir, checkout=checkout,
+                                    env={"GATEWAY_MAX_CONNECTIONS_PER_USER": "1000"})
             return await run(args, server.url, port, secret, gateway.pid)
         finally:
-            if gateway is not None and gateway.poll() is None:
-                gateway.send_signal(signal.SIGTERM)
-                try:
-                    gateway.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    gateway.kill()
+            stop_gateway(gateway)
             server.stop()
 
 

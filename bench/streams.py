@@ -36,7 +36,8 @@ from websockets.asyncio.client import connect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fanout import cpu_seconds, free_port, percentile, start_gateway
+from fanout import cpu_seconds, percentile
+from launch import free_port, start_gateway, stop_gateway
 
 from gateway.auth import issue_token
 from gateway.config import Settings
@@ -224,8 +225,7 @@ def main() -> None:
         try:
             asyncio.run(run(args, server.url, port, secret, gateway.pid))
         finally:
-            gateway.terminate()
-            gateway.wait()
+            stop_gateway(gateway)
             server.stop()
 
 
