@@ -72,7 +72,7 @@ class Subscription(Seat):
     """One chat of this connection: its seat in the room (its cursor: the last durable seq
     sent, stale while direct), its state, and the frames it holds back."""
 
-    __slots__ = ("buffer", "buffer_bytes", "overflowed", "pending", "resync", "state",
+    __slots__ = ("buffer", "buffer_bytes", "create", "overflowed", "pending", "resync", "state",
                  "unsubscribed_at")
 
     def __init__(self, session: Session) -> None:
@@ -84,6 +84,7 @@ class Subscription(Seat):
         self.unsubscribed_at = 0.0
         self.overflowed = False
         self.resync = False  # the history changed under a read in flight: read again
+        self.create = True  # subscribed with create: a resync may create it again too
 
 
 class Session:
@@ -310,7 +311,7 @@ class Session:
             since = p.Since(sub.last_seq, sub.epoch)
             self._reset_to_syncing(chat_id, sub)
             task = asyncio.get_running_loop().create_task(
-                self._resync_live(p.Subscribe(chat_id, since), sub))
+                self._resync_live(p.Subscribe(chat_id, since, create=sub.create), sub))
             if self._resyncs is None:
                 self._resyncs = set()
             self._resyncs.add(task)
@@ -473,6 +474,7 @@ class Session:
                             f"at most {self.settings.max_subscriptions} subscriptions", req)
                 return
             sub = self.subs[chat_id] = Subscription(self)
+            sub.create = req.create
             try:
                 await self.hub.join(chat_id, self)
             except BaseException:

@@ -86,6 +86,25 @@ async def test_redis_restarted_empty_under_a_live_subscriber(
         assert resumed["epoch"] == told["epoch"] and resumed["seq"] == 2
 
 
+async def test_a_subscriber_that_would_not_create_is_told_the_chat_is_gone(
+        private: tuple[EmbeddedRedis, Any], user: str, chat_id: str) -> None:
+    """Subscribed with ``create: false`` (a link), a history lost under it ends in
+    ``not_found``: the resync does not write the conversation back."""
+    server, gw = private
+    async with connect(gw.url(user)) as ws:
+        await ws.subscribe(chat_id)  # created here
+    async with connect(gw.url(user)) as ws:
+        await ws.subscribe(chat_id, create=False)
+        server.stop()
+        server.start()  # every conversation is gone
+        gone = await ws.wait_for(lambda f: f.get("type") in ("error", "subscribed"), timeout=10)
+        assert gone["type"] == "error" and gone["code"] == "not_found", gone
+        assert gone.get("chat_id") == chat_id
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        resp = await http.get(f"/v1/conversations/{chat_id}", headers=gw.headers(user))
+    assert resp.status_code == 404, resp.text
+
+
 async def test_flushall_then_a_new_message_resyncs_live_subscribers(
         private: tuple[EmbeddedRedis, Any], user: str, chat_id: str) -> None:
     server, gw = private
