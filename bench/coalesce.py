@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,11 +32,10 @@ from websockets.asyncio.client import ClientConnection, connect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch import free_port, start_gateway, stop_gateway
+from launch import private_gateway
 
 from gateway.auth import issue_token
 from gateway.config import Settings
-from gateway.embedded import EmbeddedRedis
 from gateway.redis.backend import Backend
 from gateway.redis.records import OutEvent
 from gateway.redis.store import Store
@@ -137,20 +134,9 @@ def main() -> int:
     parser.add_argument("--gateway-dir", type=Path, default=Path(__file__).resolve().parents[1],
                         help="the checkout that serves (its .venv); default: this one")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gw-coalesce-") as tmp:
-        data_dir = Path(tmp)
-        server = EmbeddedRedis(data_dir / "redis", persistent=False)
-        server.start()
-        gateway = None
-        try:
-            secret, port = secrets.token_hex(16), free_port()
-            gateway = start_gateway(server.url, secret, port, data_dir,
-                                    checkout=args.gateway_dir,
-                                    env={"GATEWAY_MAX_CONNECTIONS_PER_USER": "1000"})
-            asyncio.run(run(args, server.url, port, secret, gateway.pid))
-        finally:
-            stop_gateway(gateway)
-            server.stop()
+    with private_gateway("gw-coalesce-", checkout=args.gateway_dir,
+                         env={"GATEWAY_MAX_CONNECTIONS_PER_USER": "1000"}) as gw:
+        asyncio.run(run(args, gw.redis_url, gw.port, gw.secret, gw.process.pid))
     return 0
 
 

@@ -25,9 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import os
-import secrets
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,11 +38,10 @@ from websockets.asyncio.client import connect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch import free_port, start_gateway, stop_gateway
+from launch import private_gateway
 
 from gateway.auth import issue_token
 from gateway.config import Settings
-from gateway.embedded import EmbeddedRedis
 from gateway.redis.backend import Backend
 from gateway.redis.records import OutEvent
 from gateway.redis.store import Store
@@ -242,23 +239,15 @@ def main() -> int:
                         help="seconds to wait for deliveries after the last publish")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="gw-bench-") as tmp:
-        data_dir = Path(tmp)
-        server = EmbeddedRedis(data_dir / "redis", persistent=False)
-        server.start()
-        gateway, code = None, 1
+    code = 1
+    with private_gateway("gw-bench-") as gw:
+        assert gw.server.process is not None
+        pids = {"gateway": gw.process.pid, "redis": gw.server.process.pid,
+                "bench client": os.getpid()}
         try:
-            secret = secrets.token_hex(16)
-            port = free_port()
-            gateway = start_gateway(server.url, secret, port, data_dir)
-            assert server.process is not None
-            pids = {"gateway": gateway.pid, "redis": server.process.pid,
-                    "bench client": os.getpid()}
-            code = asyncio.run(run(args, server.url, port, secret, pids))
+            code = asyncio.run(run(args, gw.redis_url, gw.port, gw.secret, pids))
         finally:
-            stop_gateway(gateway)
-            server.stop()
-            log = (data_dir / "gateway.log").read_text(errors="replace").strip()
+            log = (gw.data_dir / "gateway.log").read_text(errors="replace").strip()
             if code != 0 and log:
                 print("gateway log (last 40 lines):\n" + "\n".join(log.splitlines()[-40:]),
                       file=sys.stderr)

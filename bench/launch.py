@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
+
+from gateway.embedded import EmbeddedRedis  # noqa: E402 (after the path is set)
 
 
 def free_port() -> int:
@@ -61,3 +68,35 @@ def stop_gateway(proc: subprocess.Popen[bytes] | None) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@dataclass
+class Private:
+    """A gateway serving on its own private Redis server (``private_gateway``)."""
+
+    redis_url: str
+    port: int
+    secret: str
+    process: subprocess.Popen[bytes]
+    server: EmbeddedRedis
+    data_dir: Path
+
+
+@contextlib.contextmanager
+def private_gateway(prefix: str, *, checkout: Path | None = None,
+                    env: dict[str, str] | None = None) -> Iterator[Private]:
+    """A private Redis server and a gateway on it, in a temporary directory; both stopped
+    (and the directory gone) on leaving."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        data_dir = Path(tmp)
+        server = EmbeddedRedis(data_dir / "redis", persistent=False)
+        server.start()
+        gateway = None
+        try:
+            secret, port = secrets.token_hex(16), free_port()
+            gateway = start_gateway(server.url, secret, port, data_dir, checkout=checkout,
+                                    env=env)
+            yield Private(server.url, port, secret, gateway, server, data_dir)
+        finally:
+            stop_gateway(gateway)
+            server.stop()

@@ -24,10 +24,8 @@ import argparse
 import asyncio
 import contextlib
 import os
-import secrets
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,11 +36,10 @@ from websockets.asyncio.client import ClientConnection, connect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch import free_port, start_gateway, stop_gateway
+from launch import private_gateway
 
 from gateway.auth import issue_token
 from gateway.config import Settings
-from gateway.embedded import EmbeddedRedis
 from gateway.redis.backend import Backend
 from gateway.redis.store import Store
 
@@ -89,19 +86,9 @@ async def measure(args: argparse.Namespace, checkout: Path) -> tuple[float, floa
                                                                      float]:
     """One gateway from ``checkout`` under the load: (µs CPU, reads, writes per publish,
     publishes/s)."""
-    with tempfile.TemporaryDirectory(prefix="gw-publish-") as tmp:
-        data_dir = Path(tmp)
-        server = EmbeddedRedis(data_dir / "redis", persistent=False)
-        server.start()
-        gateway = None
-        try:
-            secret, port = secrets.token_hex(16), free_port()
-            gateway = start_gateway(server.url, secret, port, data_dir, checkout=checkout,
-                                    env={"GATEWAY_MAX_CONNECTIONS_PER_USER": "1000"})
-            return await run(args, server.url, port, secret, gateway.pid)
-        finally:
-            stop_gateway(gateway)
-            server.stop()
+    with private_gateway("gw-publish-", checkout=checkout,
+                         env={"GATEWAY_MAX_CONNECTIONS_PER_USER": "1000"}) as gw:
+        return await run(args, gw.redis_url, gw.port, gw.secret, gw.process.pid)
 
 
 async def run(args: argparse.Namespace, redis_url: str, port: int, secret: str,

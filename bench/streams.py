@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fanout import cpu_seconds, percentile
-from launch import free_port, start_gateway, stop_gateway
+from launch import private_gateway
 
 from gateway.auth import issue_token
 from gateway.config import Settings
-from gateway.embedded import EmbeddedRedis
 from gateway.redis.backend import Backend
 from gateway.redis.records import OutEvent
 from gateway.redis.store import Store
@@ -216,17 +214,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--long", type=int, default=2000, help="deltas in the resumed answer")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gw-streams-") as tmp:
-        data_dir = Path(tmp)
-        server = EmbeddedRedis(data_dir / "redis", persistent=False)
-        server.start()
-        port, secret = free_port(), secrets.token_hex(16)
-        gateway = start_gateway(server.url, secret, port, data_dir)
-        try:
-            asyncio.run(run(args, server.url, port, secret, gateway.pid))
-        finally:
-            stop_gateway(gateway)
-            server.stop()
+    with private_gateway("gw-streams-") as gw:
+        asyncio.run(run(args, gw.redis_url, gw.port, gw.secret, gw.process.pid))
 
 
 if __name__ == "__main__":
