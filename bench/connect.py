@@ -50,7 +50,7 @@ async def run(args: argparse.Namespace) -> None:
     (tmp / "redis").mkdir()
     redis_url = redis.start()
     secret, port = secrets.token_hex(16), free_port()
-    proc = start_gateway(redis_url, secret, port, tmp)
+    proc = start_gateway(redis_url, secret, port, tmp, log_level=args.log_level)
     server = psutil.Process(proc.pid)
     spy = None
     try:
@@ -61,6 +61,7 @@ async def run(args: argparse.Namespace) -> None:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             await asyncio.sleep(1)  # py-spy attaches
         rss0, cpu0 = server.memory_info().rss, sum(server.cpu_times()[:2])
+        io0 = server.io_counters()
         urls = [f"ws://127.0.0.1:{port}/v1/ws?token="
                 + issue_token(secret, f"idle{i}", "service") for i in range(args.clients)]
         opened: list[object] = []
@@ -74,6 +75,7 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.gather(*(one(i) for i in range(args.clients)))
         wall = time.perf_counter() - start
         cpu = sum(server.cpu_times()[:2]) - cpu0
+        io = server.io_counters()
         await asyncio.sleep(2)  # let the server settle before reading RSS
         rss = server.memory_info().rss - rss0
         cpu_idle0 = sum(server.cpu_times()[:2])
@@ -82,7 +84,9 @@ async def run(args: argparse.Namespace) -> None:
         n = len(opened)
         print(f"{n} clients connected+subscribed in {wall:.2f} s; gateway CPU "
               f"{cpu * 1e6 / n:.0f} us/connection; RSS +{rss / 1024 / n:.1f} KiB/connection; "
-              f"idle CPU {idle_pct:.1f} %")
+              f"idle CPU {idle_pct:.1f} %; system calls per connection: "
+              f"{(io.read_count - io0.read_count) / n:.1f} reads, "
+              f"{(io.write_count - io0.write_count) / n:.1f} writes")
         await asyncio.gather(*(ws.close() for ws in opened))  # type: ignore[attr-defined]
     finally:
         if spy is not None:
@@ -100,6 +104,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--idle", type=float, default=5.0, help="seconds idle CPU is measured")
     parser.add_argument("--profile", help="py-spy raw output file")
+    parser.add_argument("--log-level", default="info",
+                        help="the gateway's (info, as the peer bench runs it)")
     asyncio.run(run(parser.parse_args()))
 
 

@@ -30,10 +30,12 @@ def free_port() -> int:
 
 def start_gateway(redis_url: str, secret: str, port: int, data_dir: Path, *,
                   checkout: Path | None = None,
-                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+                  env: dict[str, str] | None = None,
+                  log_level: str = "warning") -> subprocess.Popen[bytes]:
     """``gateway serve`` on ``port``, ready (``/readyz``) when this returns; its output goes
     to ``data_dir/gateway.log``. ``checkout``: serve that checkout with its own ``.venv``
-    (A/B runs); default this one, with this interpreter."""
+    (A/B runs); default this one, with this interpreter. ``log_level``: ``gateway serve``'s
+    (the peer bench runs it at its default, ``info``)."""
     root = (checkout or HERE).resolve()
     python = root / ".venv" / "bin" / "python" if checkout is not None else Path(sys.executable)
     process_env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
@@ -43,7 +45,7 @@ def start_gateway(redis_url: str, secret: str, port: int, data_dir: Path, *,
     process_env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(root), process_env.get("PYTHONPATH")]))
     with open(data_dir / "gateway.log", "ab") as log:
-        proc = subprocess.Popen([str(python), "-m", "gateway", "serve", "--log-level", "warning"],
+        proc = subprocess.Popen([str(python), "-m", "gateway", "serve", "--log-level", log_level],
                                 env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -200,7 +200,10 @@ class Host:
                  accept_key(key.decode("latin-1")).encode(), b"\r\n"]
         if admission.subprotocol:
             extra += [b"sec-websocket-protocol: ", admission.subprotocol.encode(), b"\r\n"]
-        self.logger.info('%s - "WebSocket %s" [accepted]', *line, extra=ids)
+        # DEBUG, not uvicorn's INFO: a line per connection is a flood in a reconnect storm
+        # (about a fifth of a handshake's CPU, measured with bench/connect.py), as a line per
+        # HTTP request would be (the access log is off). Refusals stay at INFO.
+        self.logger.debug('%s - "WebSocket %s" [accepted]', *line, extra=ids)
         head = _status(b"101 Switching Protocols", b"".join(extra), default_headers)
         protocol = GatewayWebSocketProtocol(self, transport)
         transport.set_protocol(protocol)
