@@ -17,6 +17,7 @@ at start-up and the test suite runs it, so an upgrade that breaks them fails lou
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, cast
 from weakref import WeakKeyDictionary
@@ -94,14 +95,58 @@ def _host(http: HttpToolsProtocol) -> Host:
 _hosts: WeakKeyDictionary[Any, Host] = WeakKeyDictionary()
 
 
+class JoinedWrites:
+    """The transport as uvicorn's HTTP protocol sees it: what it writes in one loop turn
+    leaves in one write. uvicorn writes a reply's head and its body separately; joined,
+    a publish's reply costs one system call, not two. Closing writes what is held first."""
+
+    __slots__ = ("_held", "_loop", "transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport = transport
+        self._loop = loop
+        self._held: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is None:
+            self._held = [data]
+            self._loop.call_soon(self.flush)
+        else:
+            held.append(data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held and not self.transport.is_closing():
+            self.transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the transport's
+        return getattr(self.transport, name)
+
+
 class GatewayHttpProtocol(HttpToolsProtocol):
     """``uvicorn.run(http=GatewayHttpProtocol)``: uvicorn's HTTP protocol, except that a
     WebSocket upgrade goes to the gateway's own protocol, with the request as httptools
-    parsed it (uvicorn would print it back to bytes for a WebSocket library to parse)."""
+    parsed it (uvicorn would print it back to bytes for a WebSocket library to parse), and
+    that each loop turn's writes are joined (:class:`JoinedWrites`)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.transport = cast(asyncio.Transport, JoinedWrites(transport, self.loop))
 
     def handle_websocket_upgrade(self) -> None:
         self.connections.discard(self)
-        _host(self).upgrade(self.transport, cast(dict[str, Any], self.scope), self.url, self.client)
+        joined = cast(JoinedWrites, self.transport)
+        joined.flush()  # nothing is held before a request is answered; to be sure
+        _host(self).upgrade(joined.transport, cast(dict[str, Any], self.scope), self.url,
+                            self.client)
 
 
 def check_compatible() -> None:
