@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
@@ -365,6 +365,28 @@ CONVERSATIONS = "/v1/conversations/"
 EVENTS = "/events"
 
 
+def _publisher(gateway: Gateway, authorization: str | None, query: bytes, path: str,
+               task: asyncio.Task[Any] | None) -> tuple[Principal, str]:
+    """Who publishes to which conversation, checked before the body is read."""
+    who = gateway.authenticate_raw(authorization, query)
+    if not who.is_service:
+        raise Rejected("forbidden", "publishing needs a service token")
+    chat_id = path[len(CONVERSATIONS):-len(EVENTS)]
+    if not p.CHAT_ID_RE.match(chat_id):
+        raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
+    logs.bind(user_id=who.user_id, chat_id=chat_id, task=task)
+    return who, chat_id
+
+
+async def _published(gateway: Gateway, who: Principal, chat_id: str, body: bytes) -> bytes:
+    batch = _decode(body, PublishBody).batch()
+    result = await gateway.conversations.publish(
+        who, chat_id, list(batch.events), batch.idempotency_key
+    )
+    return _encode(Published(chat_id, result.epoch, result.seqs, result.last_seq,
+                             result.duplicate))
+
+
 async def _publish(gateway: Gateway, scope: Scope, receive: Receive,
                    task: asyncio.Task[Any] | None) -> bytes:
     # The two headers it needs, in one pass over the raw list: the first of each, decoded
@@ -376,19 +398,19 @@ async def _publish(gateway: Gateway, scope: Scope, receive: Receive,
                 authorization = value.decode("latin-1")
         elif name == b"content-length" and length is None:
             length = value.decode("latin-1")
-    who = gateway.authenticate_raw(authorization, scope)
-    if not who.is_service:
-        raise Rejected("forbidden", "publishing needs a service token")
-    chat_id = scope["path"][len(CONVERSATIONS):-len(EVENTS)]
-    if not p.CHAT_ID_RE.match(chat_id):
-        raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
-    logs.bind(user_id=who.user_id, chat_id=chat_id, task=task)
-    batch = _decode(await _read_body(receive, length), PublishBody).batch()
-    result = await gateway.conversations.publish(
-        who, chat_id, list(batch.events), batch.idempotency_key
-    )
-    return _encode(Published(chat_id, result.epoch, result.seqs, result.last_seq,
-                             result.duplicate))
+    who, chat_id = _publisher(gateway, authorization, scope.get("query_string", b""),
+                              scope["path"], task)
+    return await _published(gateway, who, chat_id, await _read_body(receive, length))
+
+
+async def _answered(work: Awaitable[bytes]) -> tuple[int, bytes]:
+    """A publish's status and JSON body: its reply, or its error as every route gives it."""
+    try:
+        return 200, await work
+    except Rejected as exc:
+        return exc.http_status, _error_body(exc.code, exc.message)
+    except (RedisError, ConnectionError) as exc:
+        return 503, _error_body("backend_unavailable", f"redis: {exc}")
 
 
 _JSON_HEADERS = (b"content-type", b"application/json")
@@ -397,39 +419,64 @@ _JSON_HEADERS = (b"content-type", b"application/json")
 class PublishEndpoint:
     """``POST /v1/conversations/{chat_id}/events``, the durable-publish hot path.
 
-    A plain ASGI app that :class:`~gateway.app.GatewayApp` calls directly: agents publish
-    thousands of times a second, and Starlette's routing and middleware cost as much as the
-    publish itself. It is the ``publish`` operation below, minus Starlette: replies and
-    errors are the same.
+    Agents publish thousands of times a second, and Starlette's routing and middleware cost
+    as much as the publish itself, so it skips them two ways, with the same replies and
+    errors as the ``publish`` operation below:
+
+    * under ``gateway serve``, a request whose whole body fits in one read goes from the
+      HTTP parser straight to :meth:`answer` (``FAST_POST`` in the lifespan state; see
+      :mod:`gateway.transport.uvicorn_ws`): no ASGI cycle;
+    * anything else (another server, a chunked or large body) reaches it as a plain ASGI
+      app that :class:`~gateway.app.GatewayApp` calls directly.
     """
+
+    max_body = MAX_BODY_BYTES
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         # Python 3.11 makes a getpid() call in every running-loop lookup: once is enough.
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _task(self) -> asyncio.Task[Any] | None:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
+        return asyncio.current_task(loop)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            status, body = 200, await _publish(self.gateway, scope, receive,
-                                               asyncio.current_task(loop))
+            status, body = await _answered(_publish(self.gateway, scope, receive, self._task()))
         except ClientDisconnect:
             return  # nobody left to answer
-        except Rejected as exc:
-            status, body = exc.http_status, _error_body(exc.code, exc.message)
-        except (RedisError, ConnectionError) as exc:
-            status, body = 503, _error_body("backend_unavailable", f"redis: {exc}")
         await send({"type": "http.response.start", "status": status,
                     "headers": [_JSON_HEADERS, (b"content-length", b"%d" % len(body))]})
         await send({"type": "http.response.body", "body": body})
+
+    async def answer(self, authorization: str | None, path: str, body: bytes
+                     ) -> tuple[int, bytes]:
+        """A request with no query string, its body read: its status and JSON body."""
+        gateway = self.gateway
+
+        async def work() -> bytes:
+            who, chat_id = _publisher(gateway, authorization, b"", path, self._task())
+            return await _published(gateway, who, chat_id, body)
+
+        return await _answered(work())
+
+    @staticmethod
+    def routes(path: bytes) -> bool:
+        """Whether a POST to ``path`` (raw, no query string) is this endpoint's."""
+        return (path.startswith(_CONVERSATIONS_RAW) and path.endswith(_EVENTS_RAW)
+                and b"/" not in path[len(_CONVERSATIONS_RAW):-len(_EVENTS_RAW)])
 
     @staticmethod
     def matches(scope: Scope) -> bool:
         path: str = scope["path"]
         return (scope["method"] == "POST" and path.startswith(CONVERSATIONS)
                 and path.endswith(EVENTS) and "/" not in path[len(CONVERSATIONS):-len(EVENTS)])
+
+
+_CONVERSATIONS_RAW, _EVENTS_RAW = CONVERSATIONS.encode(), EVENTS.encode()
 
 
 @API.operation(

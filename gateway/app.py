@@ -5,7 +5,9 @@ The two hot paths skip Starlette: ``/v1/ws`` goes straight to
 request needs for its milliseconds would sit in every connection's task all that time; under
 ``gateway serve`` it does not even reach the app, see :mod:`gateway.transport.websocket`), and
 ``POST /v1/conversations/{chat_id}/events`` to :class:`~gateway.api.PublishEndpoint` (its
-routing and middleware cost as much as the publish). Everything else goes through Starlette.
+routing and middleware cost as much as the publish; under ``gateway serve`` most publishes
+are answered from the HTTP parser, see :mod:`gateway.transport.uvicorn_ws`). Everything else
+goes through Starlette.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from . import api, scrape, web
 from .config import Settings, load_settings
 from .connect import SocketEndpoint
 from .runtime import Gateway
-from .transport.uvicorn_ws import redact_request_logs
+from .transport.uvicorn_ws import FAST_POST, redact_request_logs
 from .transport.websocket import ENDPOINT_STATE
 
 WEBSOCKET_PATH = "/v1/ws"
@@ -55,14 +57,15 @@ def create_app(settings: Settings | None = None) -> GatewayApp:
     gateway.companions.append(lambda _: exporter)  # started once the gateway is
 
     sockets = SocketEndpoint(gateway)
+    publish = api.PublishEndpoint(gateway)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         await gateway.start()
         try:
-            # The gateway's own WebSocket protocol finds the endpoint here (lifespan state
-            # reaches the server's protocols without going through a request).
-            yield {ENDPOINT_STATE: sockets}
+            # The gateway's own protocols find their endpoints here (lifespan state reaches
+            # the server's protocols without going through a request).
+            yield {ENDPOINT_STATE: sockets, FAST_POST: publish}
         finally:
             await gateway.stop()
 
@@ -73,4 +76,4 @@ def create_app(settings: Settings | None = None) -> GatewayApp:
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return GatewayApp(app, sockets, api.PublishEndpoint(gateway))
+    return GatewayApp(app, sockets, publish)

@@ -16,7 +16,6 @@ from typing import Protocol
 
 from starlette.datastructures import QueryParams
 from starlette.requests import HTTPConnection
-from starlette.types import Scope
 
 from .auth import AuthError, Principal, TokenCache, bearer
 from .closecodes import BACKEND_UNAVAILABLE, SERVER_RESTART
@@ -123,12 +122,13 @@ class Gateway:
 
     def authenticate(self, request: HTTPConnection) -> Principal:
         """Who an HTTP request comes from: its bearer token (header, else ``?token=``)."""
-        return self.authenticate_raw(request.headers.get("authorization"), request.scope)
+        return self.authenticate_raw(request.headers.get("authorization"),
+                                     request.scope.get("query_string", b""))
 
-    def authenticate_raw(self, authorization: str | None, scope: Scope) -> Principal:
-        """:meth:`authenticate`, given the request's ``Authorization`` header as found (the
-        publish path reads its headers in one pass, without a Starlette request)."""
-        query = scope.get("query_string", b"")
+    def authenticate_raw(self, authorization: str | None, query: bytes) -> Principal:
+        """:meth:`authenticate`, given the request's ``Authorization`` header as found and
+        its raw query string (the publish path reads its headers in one pass, without a
+        Starlette request)."""
         query_token = QueryParams(query).get("token") if b"token=" in query else None
         token = bearer(authorization, query_token)
         try:

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import httpx
 import jwt
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -284,3 +285,95 @@ async def test_a_publish_not_replicated_in_time_is_not_acknowledged(
     finally:
         await client.aclose()
         gw.stop()  # its turn sweeper would refuse every later test's timeouts
+
+
+# --- publishes answered from the HTTP parser -------------------------------------------
+
+
+async def raw_exchange(gw: Any, data: bytes, replies: int) -> list[tuple[int, dict[str, str],
+                                                                          bytes]]:
+    """``data`` written at once on one connection (pipelined requests); the first
+    ``replies`` responses as (status, headers, body), read with their content-length."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        out = []
+        with anyio.fail_after(10):
+            for _ in range(replies):
+                status_line = await reader.readline()
+                headers: dict[str, str] = {}
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.decode("latin-1").partition(":")
+                    headers[name.strip().lower()] = value.strip()
+                body = await reader.readexactly(int(headers["content-length"]))
+                out.append((int(status_line.split()[1]), headers, body))
+            if out and out[-1][1].get("connection") == "close":
+                assert await reader.read() == b""  # and the server closed the connection
+        return out
+    finally:
+        writer.close()
+
+
+def post(gw: Any, chat_id: str, body: Body, *, token: str | None = None,
+         extra: bytes = b"", chunked: bool = False) -> bytes:
+    data = msgspec.json.encode(body)
+    auth = token if token is not None else gw.token("agent", "service")
+    framing = (b"transfer-encoding: chunked\r\n" if chunked
+               else b"content-length: %d\r\n" % len(data))
+    payload = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if chunked else data
+    return (b"POST /v1/conversations/%s/events HTTP/1.1\r\nhost: t\r\n"
+            b"authorization: Bearer %s\r\ncontent-type: application/json\r\n%s%s\r\n%s"
+            % (chat_id.encode(), auth.encode(), framing, extra, payload))
+
+
+async def test_pipelined_publishes_are_answered_in_order(gateway: Any, user: str,
+                                                         chat_id: str) -> None:
+    epoch = (await create(gateway, user, chat_id))["epoch"]
+    requests = [post(gateway, chat_id, {"type": "note", "data": {"i": i}}) for i in range(5)]
+    # A refused one and a Starlette route in the middle: their answers keep their place.
+    requests.insert(2, post(gateway, chat_id, {"type": "turn_start", "data": {}}))
+    requests.insert(4, b"GET /v1/conversations/%s HTTP/1.1\r\nhost: t\r\n"
+                       b"authorization: Bearer %s\r\n\r\n"
+                    % (chat_id.encode(), gateway.token(user).encode()))
+    replies = await raw_exchange(gateway, b"".join(requests), len(requests))
+    statuses = [status for status, _, _ in replies]
+    assert statuses == [200, 200, 400, 200, 200, 200, 200], replies
+    assert msgspec.json.decode(replies[2][2])["error"]["code"] == "reserved_type"
+    assert msgspec.json.decode(replies[4][2])["chat_id"] == chat_id
+    published = [msgspec.json.decode(body) for status, _, body in replies
+                 if status == 200 and b'"seqs"' in body]
+    assert [r["epoch"] for r in published] == [epoch] * 5
+    seqs = [r["seqs"][0] for r in published]
+    assert seqs == list(range(seqs[0], seqs[0] + 5))  # in the order they were sent
+    events = await history(gateway, user, chat_id)
+    assert [e["data"]["i"] for e in events if e["type"] == "note"] == list(range(5))
+    assert all(h["content-type"] == "application/json" for s, h, _ in replies if s == 200)
+
+
+async def test_publishes_any_http_client_may_send(gateway: Any, user: str,
+                                                  chat_id: str) -> None:
+    """Chunked, large, with a query string, or asking to close: each gets its answer (the
+    parser's fast path or uvicorn's ASGI path, the same replies)."""
+    await create(gateway, user, chat_id)
+    cases = [
+        post(gateway, chat_id, {"type": "note", "data": {"k": "chunked"}}, chunked=True),
+        post(gateway, chat_id, {"type": "note", "data": {"k": "large", "x": "y" * 100_000}}),
+        post(gateway, chat_id, {"type": "note", "data": {"k": "query"}}).replace(
+            b"/events HTTP", b"/events?x=1 HTTP"),
+        post(gateway, chat_id, {"type": "note", "data": {"k": "bad token"}}, token="x.y.z"),
+        post(gateway, chat_id + "-none", {"type": "note", "data": {}}),
+        post(gateway, chat_id, {"type": "note", "data": {"k": "close"}},
+             extra=b"connection: close\r\n"),
+    ]
+    statuses = []
+    for request in cases:  # one connection each
+        [(status, headers, body)] = await raw_exchange(gateway, request, 1)
+        statuses.append((status, msgspec.json.decode(body).get("error", {}).get("code")))
+        if b"connection: close" in request:
+            assert headers["connection"] == "close"
+    assert statuses == [(200, None), (200, None), (200, None), (401, "unauthorized"),
+                        (404, "not_found"), (200, None)]
+    events = await history(gateway, user, chat_id)
+    assert [e["data"]["k"] for e in events if e["type"] == "note"] == [
+        "chunked", "large", "query", "close"]

@@ -1,27 +1,31 @@
-"""The gateway's WebSocket transport in uvicorn, and logs that hold no token.
+"""The gateway's transport in uvicorn, and logs that hold no token.
 
-:class:`GatewayHttpProtocol` is uvicorn's httptools protocol with one change: a WebSocket
-upgrade goes to :mod:`gateway.transport.websocket` (the gateway's own protocol), with the
-request as httptools parsed it. ``gateway serve`` passes it as ``http=``. Under any other
-server, or plain uvicorn, the app runs as an ASGI app (only slower).
+:class:`GatewayHttpProtocol` is uvicorn's httptools protocol with three changes: a
+WebSocket upgrade goes to :mod:`gateway.transport.websocket` (the gateway's own protocol),
+with the request as httptools parsed it; a publish (the app's :class:`FastPost`) is
+answered from the parser's callbacks, without an ASGI cycle; and a reply's head and body
+leave in one write. ``gateway serve`` passes it as ``http=``. Under any other server, or
+plain uvicorn, the app runs as an ASGI app (only slower).
 
 It also keeps bearer tokens out of the logs: uvicorn logs every accepted WebSocket with its
 query string, and browsers can only send the token there; and under plain uvicorn it logs a
 client's text frame that is not UTF-8 as one line at INFO, not as an error with a traceback.
 
-This touches uvicorn internals (``handle_websocket_upgrade`` and the attributes it reads)
-and websockets' (the parser's state between frames). :func:`check_compatible` verifies them
-at start-up and the test suite runs it, so an upgrade that breaks them fails loudly;
-``pyproject.toml`` pins the range.
+This touches uvicorn internals (``handle_websocket_upgrade``, the parser callbacks and the
+attributes they read) and websockets' (the parser's state between frames).
+:func:`check_compatible` verifies them at start-up and the test suite runs it, so an
+upgrade that breaks them fails loudly; ``pyproject.toml`` pins the range.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, cast
+from http import HTTPStatus
+from typing import Any, Protocol, cast
 from weakref import WeakKeyDictionary
 
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 from websockets.protocol import Protocol as Framing
@@ -36,8 +40,9 @@ from .websocket import (
     waits_for_frame,
 )
 
-__all__ = ["EXTENSION", "GatewayHttpProtocol", "GatewayWebSocketProtocol", "TransportListener",
-           "check_compatible", "redact_request_logs", "redacting_logger"]
+__all__ = ["EXTENSION", "FAST_POST", "FastPost", "GatewayHttpProtocol",
+           "GatewayWebSocketProtocol", "TransportListener", "check_compatible",
+           "redact_request_logs", "redacting_logger"]
 
 class ClientFaults(logging.Filter):
     """A text frame that is not UTF-8 is the client's fault: uvicorn logs it as an error with
@@ -131,15 +136,146 @@ class JoinedWrites:
         return getattr(self.transport, name)
 
 
+# The lifespan state key under which the app offers a FastPost (the publish endpoint).
+FAST_POST = "gateway.fast_post"
+
+
+class FastPost(Protocol):
+    """A POST route answered straight from the parser: no ASGI scope, cycle or messages."""
+
+    max_body: int
+
+    def routes(self, path: bytes) -> bool:
+        """Whether a POST to ``path`` (raw, no query string) is answered here."""
+
+    async def answer(self, authorization: str | None, path: str, body: bytes
+                     ) -> tuple[int, bytes]:
+        """The status and JSON body for a request and its whole body."""
+
+
+class _Unwaited:
+    """``message_event`` of a fast request: nobody waits on it."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+_UNWAITED = _Unwaited()
+
+
+class FastRequest:
+    """A fast POST being read and answered. It stands where uvicorn keeps its
+    ``RequestResponseCycle``, with the attributes uvicorn's own callbacks touch: ``on_body``
+    adds to ``body``, ``connection_lost`` sets ``disconnected``, ``shutdown`` clears
+    ``keep_alive``, and a pipelined request queues behind it until ``response_complete``."""
+
+    __slots__ = ("authorization", "body", "disconnected", "keep_alive", "more_body", "path",
+                 "response_complete")
+
+    message_event = _UNWAITED
+
+    def __init__(self, authorization: str | None, path: str, keep_alive: bool) -> None:
+        self.authorization = authorization
+        self.path = path
+        self.keep_alive = keep_alive
+        self.body = bytearray()
+        self.more_body = True
+        self.disconnected = False
+        self.response_complete = False
+
+
+def _head(status: int, length: int, default_headers: list[tuple[bytes, bytes]],
+          keep_alive: bool) -> bytes:
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
+    for name, value in default_headers:
+        lines += [name, b": ", value, b"\r\n"]
+    lines.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % length)
+    if not keep_alive:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+_INTERNAL_ERROR = b'{"error":{"code":"internal_error","message":"internal error"}}'
+
+
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """``uvicorn.run(http=GatewayHttpProtocol)``: uvicorn's HTTP protocol, except that a
-    WebSocket upgrade goes to the gateway's own protocol, with the request as httptools
-    parsed it (uvicorn would print it back to bytes for a WebSocket library to parse), and
-    that each loop turn's writes are joined (:class:`JoinedWrites`)."""
+    """``uvicorn.run(http=GatewayHttpProtocol)``: uvicorn's HTTP protocol, except that
+
+    * a WebSocket upgrade goes to the gateway's own protocol, with the request as httptools
+      parsed it (uvicorn would print it back to bytes for a WebSocket library to parse);
+    * a POST the app's :class:`FastPost` routes, with a ``content-length`` body that fits
+      in uvicorn's read buffer, is answered straight from the parser's callbacks
+      (:class:`FastRequest`); everything else (a query string, ``expect``, a chunked or
+      larger body, a request pipelined behind another) is uvicorn's, through ASGI;
+    * each loop turn's writes are joined (:class:`JoinedWrites`).
+    """
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.transport = cast(asyncio.Transport, JoinedWrites(transport, self.loop))
+
+    def on_headers_complete(self) -> None:
+        fast = self._fast_request()
+        if fast is None:
+            super().on_headers_complete()
+        else:
+            self.cycle = cast(Any, fast)
+
+    def _fast_request(self) -> FastRequest | None:
+        route: FastPost | None = self.app_state.get(FAST_POST)
+        url = self.url
+        parser = self.parser
+        if (route is None or parser.get_method() != b"POST" or b"?" in url or b"%" in url
+                or not route.routes(url) or self.expect_100_continue
+                or parser.get_http_version() != "1.1" or parser.should_upgrade()
+                or self.limit_concurrency is not None
+                or (self.cycle is not None and not self.cycle.response_complete)):
+            return None
+        authorization = length = None
+        for name, value in self.headers:
+            if name == b"content-length":
+                if length is not None:
+                    return None
+                length = value
+            elif name == b"authorization":
+                if authorization is None:
+                    authorization = value.decode("latin-1")
+            elif name == b"transfer-encoding":
+                return None
+        if length is None or not length.isdigit() or int(length) > min(route.max_body,
+                                                                      HIGH_WATER_LIMIT):
+            return None  # uvicorn reads it (and pauses reading past its high-water mark)
+        self.scope["method"] = "POST"
+        return FastRequest(authorization, url.decode("ascii"), parser.should_keep_alive())
+
+    def on_message_complete(self) -> None:
+        request: Any = self.cycle
+        if type(request) is not FastRequest:
+            super().on_message_complete()
+            return
+        request.more_body = False
+        task = self.loop.create_task(self._answer(request, self.app_state[FAST_POST]))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    async def _answer(self, request: FastRequest, route: FastPost) -> None:
+        try:
+            status, body = await route.answer(request.authorization, request.path,
+                                              bytes(request.body))
+        except Exception:
+            self.logger.exception("Exception in a fast POST")
+            status, body, request.keep_alive = 500, _INTERNAL_ERROR, False
+        if request.disconnected:
+            return  # the client is gone: nobody to answer
+        self.transport.write(_head(status, len(body), self.server_state.default_headers,
+                                   request.keep_alive) + body)
+        request.response_complete = True
+        if not request.keep_alive:
+            self.transport.close()
+        self.on_response_complete()
 
     def handle_websocket_upgrade(self) -> None:
         self.connections.discard(self)
@@ -158,6 +294,14 @@ def check_compatible() -> None:
         + HttpToolsProtocol.connection_made.__code__.co_names)
     missing += [name for name in ("connections", "scope", "url", "transport", "client",
                                   "config", "server_state", "app_state") if name not in names]
+    # The fast POST: the callbacks it overrides or calls, the state it reads.
+    missing += [f"HttpToolsProtocol.{name}" for name in (
+        "on_headers_complete", "on_message_complete", "on_response_complete", "on_body")
+        if not callable(getattr(HttpToolsProtocol, name, None))]
+    fast = (HttpToolsProtocol.__init__.__code__.co_names
+            + HttpToolsProtocol.on_body.__code__.co_names)
+    missing += [name for name in ("cycle", "tasks", "headers", "parser", "limit_concurrency",
+                                  "expect_100_continue", "loop", "logger") if name not in fast]
     state = ServerState()
     missing += [name for name in ("connections", "default_headers") if not hasattr(state, name)]
     framing = Framing(Side.SERVER)
