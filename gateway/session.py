@@ -43,6 +43,7 @@ from .errors import Rejected
 from .events import now_ms
 from .frames import Frame
 from .metrics import COUNTS
+from .redis.channels import CONFIRM_TIMEOUT, wait_shared
 from .redis.records import Meta
 from .rooms import Seat
 from .streams import snapshot
@@ -380,8 +381,8 @@ class Session:
             if ready is not None:
                 if ready.done():
                     ready.result()  # raises if the feed could not be subscribed
-                else:  # wait_for costs a timer and a task: only when there is a wait
-                    await asyncio.wait_for(asyncio.shield(ready), timeout=10)
+                else:
+                    await wait_shared(ready, CONFIRM_TIMEOUT)
                 self._feed_ready = None
             if not self._admit():
                 return

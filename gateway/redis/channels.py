@@ -34,6 +34,33 @@ from .pubsub import ShardReader
 log = logging.getLogger("gateway.channels")
 
 
+CONFIRM_TIMEOUT = 10.0  # seconds a joiner waits for its subscription's confirmation
+
+
+async def wait_shared(future: asyncio.Future[None], timeout: float) -> None:
+    """Wait for a confirmation other joiners share: ``TimeoutError`` after ``timeout``, and
+    a cancelled waiter leaves it to the others. ``wait_for(shield(future))`` without the
+    extra futures and callbacks: every connection of a reconnect storm waits twice."""
+    if future.done():
+        return future.result()
+    waiter = future.get_loop().create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    future.add_done_callback(wake)
+    timer = future.get_loop().call_later(timeout, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        future.remove_done_callback(wake)
+    if not future.done():
+        raise TimeoutError(f"no confirmation within {timeout:g} s")
+    return future.result()
+
+
 class Receiver(Protocol):
     """What the channels' user (the hub) hears."""
 
@@ -128,7 +155,7 @@ class Channels:
     async def confirmed(self, channel: bytes) -> None:
         future = self.pending(channel)
         if future is not None:
-            await asyncio.wait_for(asyncio.shield(future), timeout=10)
+            await wait_shared(future, CONFIRM_TIMEOUT)
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:

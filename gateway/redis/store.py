@@ -170,10 +170,11 @@ class Store:
         command, *args = list_change
         if command == "ZADD":  # a late, older change never moves it back: list walks rely on it
             args = ["GT", *args]
-        await asyncio.gather(self.pipeline.execute(command, index_key(owner), *args),
-                             self.pipeline.execute(command, expiry_key(expiry_bucket(args[-1])),
-                                                   *args),
-                             self.pipeline.execute("SPUBLISH", feed_channel(owner), feed))
+        # Issued futures, not coroutines: gather wraps a coroutine in a task of its own.
+        issue = self.pipeline.issue
+        await asyncio.gather(issue(command, index_key(owner), *args),
+                             issue(command, expiry_key(expiry_bucket(args[-1])), *args),
+                             issue("SPUBLISH", feed_channel(owner), feed))
 
     async def read(self, chat_id: str, after: int | None, limit: int,
                    create_owner: str = "") -> History:
