@@ -6,9 +6,10 @@ keep-alive HTTP connections then publish ``--publishes`` durable events, round-r
 the rooms, each connection sending its next request when the previous reply is in.
 
 Reported: the gateway process's CPU time per publish (``/proc/<pid>/stat``), its read and
-write system calls per publish (``/proc/<pid>/io``), and the publish rate this closed loop
-reached. CPU time per publish is what a rate costs, and it holds up better than a pass/fail
-rate on a machine shared with other work. ``--gateway-dir`` serves another checkout (its
+write system calls per publish (``/proc/<pid>/io``), the publish rate this closed loop
+reached, and the Redis server's CPU time per publish (``INFO cpu``). CPU time per publish
+is what a rate costs, and it holds up better than a pass/fail rate on a machine shared with
+other work. ``--gateway-dir`` serves another checkout (its
 ``.venv``), to compare two under the same load; ``--rounds`` alternates them::
 
     .venv/bin/python bench/publish.py
@@ -82,17 +83,25 @@ async def drain(ws: ClientConnection) -> None:
             pass
 
 
-async def measure(args: argparse.Namespace, checkout: Path) -> tuple[float, float, float,
-                                                                     float]:
+Result = tuple[float, float, float, float, float]
+
+
+async def redis_cpu(redis: aioredis.Redis) -> float:
+    """CPU seconds the Redis server has used so far."""
+    info = await redis.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+async def measure(args: argparse.Namespace, checkout: Path) -> Result:
     """One gateway from ``checkout`` under the load: (µs CPU, reads, writes per publish,
-    publishes/s)."""
+    publishes/s, µs of Redis CPU per publish)."""
     with private_gateway("gw-publish-", checkout=checkout,
                          env={"GATEWAY_MAX_CONNECTIONS_PER_USER": "1000"}) as gw:
         return await run(args, gw.redis_url, gw.port, gw.secret, gw.process.pid)
 
 
 async def run(args: argparse.Namespace, redis_url: str, port: int, secret: str,
-              pid: int) -> tuple[float, float, float, float]:
+              pid: int) -> Result:
     settings = Settings(redis_url=redis_url, secret=secret)
     store = Store(Backend.of(aioredis.from_url(redis_url), settings), settings)
     rooms = [f"pub-{r}" for r in range(args.rooms)]
@@ -116,16 +125,18 @@ async def run(args: argparse.Namespace, redis_url: str, port: int, secret: str,
         await asyncio.gather(*(http_worker(port, token, rooms, warm, c * per, payload)
                                for c in range(args.connections)))
         cpu0, reads0, writes0 = counters(pid)
+        redis0 = await redis_cpu(store.backend.client)
         began = time.perf_counter()
         await asyncio.gather(*(http_worker(port, token, rooms, per, c * per + warm, payload)
                                for c in range(args.connections)))
         elapsed = time.perf_counter() - began
         cpu1, reads1, writes1 = counters(pid)
+        redis1 = await redis_cpu(store.backend.client)
         for task in readers:
             task.cancel()
         n = per * args.connections
         return ((cpu1 - cpu0) / n * 1e6, (reads1 - reads0) / n, (writes1 - writes0) / n,
-                n / elapsed)
+                n / elapsed, (redis1 - redis0) / n * 1e6)
     finally:
         for ws in sockets:
             await ws.close()
@@ -144,13 +155,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="runs per checkout, alternated")
     args = parser.parse_args()
     checkouts = [d.resolve() for d in args.gateway_dir or [HERE]]
-    results: dict[Path, list[tuple[float, float, float, float]]] = {d: [] for d in checkouts}
+    results: dict[Path, list[Result]] = {d: [] for d in checkouts}
     for _ in range(args.rounds):
         for checkout in checkouts:
             got = asyncio.run(measure(args, checkout))
             results[checkout].append(got)
             print(f"{checkout}: {got[0]:.1f} us CPU, {got[1]:.2f} reads, {got[2]:.2f} writes "
-                  f"per publish; {got[3]:.0f} publishes/s", flush=True)
+                  f"per publish; {got[3]:.0f} publishes/s; Redis {got[4]:.1f} us CPU per "
+                  "publish", flush=True)
     for checkout, runs in results.items():
         print(f"median of {len(runs)}, {checkout}: "
               f"{statistics.median(r[0] for r in runs):.1f} us CPU per publish")
