@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 from importlib import resources
+from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.config import Settings
 from gateway.errors import Rejected
 from gateway.redis.envelope import Envelope, unpack
+from gateway.redis.keys import log_key, meta_key
 from gateway.redis.records import OutEvent
 from gateway.redis.scripts import Call, PublishScript, ReadScript
 
@@ -87,5 +90,66 @@ async def test_publish_and_read_replies_decode_into_their_structs(
         missing = read.decode(await run(read.call(chat_id + "-none", None, 10,
                                                   create_owner="", fresh="e6")))
         assert missing.meta is None and missing.frames == [] and not missing.created
+    finally:
+        await client.aclose()
+
+
+async def test_a_plain_event_alone_leaves_what_it_leaves_in_a_batch(
+        redis_url: str, chat_id: str) -> None:
+    """``publish.lua`` answers one plain durable event by a short path of its own; it must
+    store, publish and answer what the general path (any batch of two) does."""
+    settings = Settings(redis_url=redis_url)
+    publish = PublishScript(settings)
+    client = aioredis.from_url(redis_url)
+    typing = OutEvent(type="typing", data=b"{}", durable=False)  # makes a batch, stores nothing
+
+    async def run(chat: str, events: list[OutEvent], owner: str = "", writer: str = "") -> Any:
+        script, keys, args = publish.call(chat, events, fresh="e1", create_owner=owner,
+                                          writer=writer, idempotency_key=None)
+        return publish.decode(await client.eval(script.source, len(keys), *keys, *args))  # type: ignore[misc]
+
+    async def stored(chat: str) -> list[tuple[dict[str, Any], bytes]]:
+        entries = await client.xrange(log_key(chat))
+        frames = []
+        for _, fields in entries:
+            frame = msgspec.json.decode(fields[b"f"])
+            assert frame.pop("chat_id") == chat and isinstance(frame.pop("ts"), int)
+            frame["data"].pop("started_at", None)  # a time, like ts
+            frames.append((frame, fields[b"n"]))
+        return frames
+
+    try:
+        alone, batched = chat_id + "-alone", chat_id + "-batched"
+        for chat in (alone, batched):
+            await run(chat, [OutEvent(type="note", data=b'{"first":1}')], owner="alice")
+        note = OutEvent(type="tool_call", data=b'{"name":"search","args":{"q":"x"}}')
+        for running in (False, True):
+            if running:
+                for chat in (alone, batched):
+                    await run(chat, [OutEvent(type="turn_start", data=b"{}", turn_id="t1")])
+            await client.hset(meta_key(alone), "updated_at", "0")  # to see it move
+            one = await run(alone, [note], writer="alice")
+            two = await run(batched, [note, typing], writer="alice")
+            assert (one.epoch, one.last_seq, one.owner, one.head, one.duplicate, one.listed,
+                    one.created, one.turn_id) == (
+                    two.epoch, two.last_seq, two.owner, two.head, two.duplicate, two.listed,
+                    two.created, two.turn_id)
+            assert one.seqs == two.seqs[:1] and two.seqs[1:] == [None]
+        assert await stored(alone) == await stored(batched)
+        last, node = (await stored(alone))[-1]
+        assert last["type"] == "tool_call" and last["node"] == "t1" and node == b"t1"
+        meta = [await client.hmget(meta_key(chat), "seq", "status", "turn_id", "head", "owner")
+                for chat in (alone, batched)]
+        assert meta[0] == meta[1] and meta[0][:3] == [b"5", b"running", b"t1"]
+        assert meta[0][4] == b"alice"
+        [(_, fields)] = await client.xrevrange(log_key(alone), count=1)
+        ts = msgspec.json.decode(fields[b"f"])["ts"]  # the list's order: updated with it
+        assert await client.hget(meta_key(alone), "updated_at") == str(ts).encode()
+        with pytest.raises(Rejected) as refused:  # another writer: refused as ever
+            await run(alone, [note], writer="bob")
+        assert refused.value.code == "forbidden"
+        with pytest.raises(Rejected) as missing:
+            await run(chat_id + "-none", [note])
+        assert missing.value.code == "not_found"
     finally:
         await client.aclose()

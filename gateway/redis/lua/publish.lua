@@ -69,6 +69,9 @@
 -- frame to announce, when listed)} or {"error": {"code", "message", "head"}, and "owner"
 -- and "feed" when a refused late turn_end's usage was counted}. The feed lives in the owner's slot: the store
 -- publishes it after the script. Every durable event is stored as entry "<seq>-0".
+--
+-- One plain durable event (not a type named above, not streamed) with no operation and no
+-- idempotency key takes a short path first: the same effects and reply for less Lua.
 
 local meta, log = KEYS[1], KEYS[2]
 local channel, chat = ARGV[1], ARGV[6]
@@ -90,6 +93,63 @@ for typ in string.gmatch(ARGV[9], '[^,]+') do
 end
 local children = KEYS[5 + k]
 local idem = KEYS[6 + k]
+
+local now = now_ms()
+
+-- A durable event, stored as log entry "<seq>-0" and published: the one writer of both.
+local function append(typ, node, at, data, epoch)
+  local head = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat)
+  if node ~= '' then head = head .. ',"node":' .. cjson.encode(node) end
+  local frame = head .. ',"seq":' .. at .. ',"ts":' .. now .. ',"data":' .. data .. '}'
+  redis.call('XADD', log, at .. '-0', 'f', frame, 'n', node)
+  redis.call('SPUBLISH', channel, envelope(epoch, at, nil, nil, frame))
+end
+
+-- History is trimmed at turn boundaries only: what is kept starts with a user message.
+-- The cut is the first user message an exact trim to ARGV[2] events would keep; inside a
+-- turn longer than that, the turn's own start (what is kept then passes the bound by at
+-- most that turn's events). A log with no user message is cut exactly.
+local function trim(seq, head)
+  -- Entries are "<seq>-0", trimmed from the front: the log never holds more than seq.
+  if seq <= maxlen or redis.call('XLEN', log) <= maxlen then return end
+  local exact = seq - maxlen + 1
+  if redis.call('EXISTS', starts) == 0 and (head or '') ~= '' then
+    -- a tree from before the turn starts were kept: index its user messages once
+    local flat = redis.call('HGETALL', tree)
+    for i = 1, #flat, 2 do
+      local node = cjson.decode(flat[i + 1])
+      if node.k == 'user' and node.s then redis.call('ZADD', starts, node.s, node.s) end
+    end
+  end
+  local cut = redis.call('ZRANGEBYSCORE', starts, exact, '+inf', 'LIMIT', 0, 1)[1]
+    or redis.call('ZREVRANGEBYSCORE', starts, '(' .. exact, '-inf', 'LIMIT', 0, 1)[1]
+    or exact
+  redis.call('XTRIM', log, 'MINID', cut .. '-0')
+  redis.call('ZREMRANGEBYSCORE', starts, '-inf', '(' .. cut)
+end
+
+-- The hot path: one plain durable event (a note, a tool call, a status) in a conversation
+-- that exists, with no tree operation and no idempotency key. It has the effects and the
+-- reply the general path below would have (its node is the running turn's, as node_of
+-- says), reading only the five fields it needs.
+local NOT_PLAIN = {user_message = true, turn_start = true, turn_end = true, head = true,
+                   cancel_requested = true, goal_state = true, title = true, child = true}
+if n == 1 and op == '' and not idem and ARGV[base + 1] == '1' then
+  local typ = ARGV[base]
+  if not (NOT_PLAIN[typ] or text_key[typ] or streamed_type[typ]) then
+    local f = redis.call('HMGET', meta, 'epoch', 'owner', 'seq', 'turn_id', 'head')
+    local epoch, owner, head = f[1], f[2], f[5] or ''
+    if epoch and (ARGV[8] == '' or ARGV[8] == owner) then
+      local at = tonumber(f[3]) + 1
+      append(typ, f[4] or '', at, ARGV[base + 2], epoch)
+      trim(at, head)
+      redis.call('HSET', meta, 'seq', at, 'updated_at', now)
+      return cjson.encode({epoch = epoch, seqs = {at}, last_seq = at, owner = owner,
+                           duplicate = false, ts = now, listed = false, created = false,
+                           head = head})
+    end
+  end
+end
 
 local m_owner = nil
 local late_feed = nil  -- a refused late turn_end's usage was counted: the feed tells it
@@ -116,8 +176,6 @@ local function commit_arg(arg)
   local attempt, fill = string.match(arg, '^(%S*) ?(%S*)$')
   return attempt or '', fill == 'fill'
 end
-
-local now = now_ms()
 
 local m = load_meta(meta)
 local created = false
@@ -327,16 +385,12 @@ local function node_of(typ, arg)
 end
 
 local function emit(typ, durable, data, stream_part, node)
-  local head = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat)
   if durable then
     seq = seq + 1
-    node = node or ''
-    if node ~= '' then head = head .. ',"node":' .. cjson.encode(node) end
-    local frame = head .. ',"seq":' .. seq .. ',"ts":' .. now .. ',"data":' .. data .. '}'
-    redis.call('XADD', log, seq .. '-0', 'f', frame, 'n', node)
-    redis.call('SPUBLISH', channel, envelope(m.epoch, seq, nil, nil, frame))
+    append(typ, node or '', seq, data, m.epoch)
     return seq
   end
+  local head = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat)
   local frame
   if stream_part then
     frame = head .. ',"seq":null,"ts":' .. now .. ',"stream":{"id":' .. cjson.encode(stream_part[1]) ..
@@ -486,28 +540,7 @@ if new_head ~= nil and new_head ~= head_before then
   listed, changed = true, true
 end
 
--- History is trimmed at turn boundaries only: what is kept starts with a user message.
--- The cut is the first user message an exact trim to ARGV[2] events would keep; inside a
--- turn longer than that, the turn's own start (what is kept then passes the bound by at
--- most that turn's events). A log with no user message is cut exactly.
-local function trim()
-  if redis.call('XLEN', log) <= maxlen then return end
-  local exact = seq - maxlen + 1
-  if redis.call('EXISTS', starts) == 0 and (m.head or '') ~= '' then
-    -- a tree from before the turn starts were kept: index its user messages once
-    local flat = redis.call('HGETALL', tree)
-    for i = 1, #flat, 2 do
-      local node = cjson.decode(flat[i + 1])
-      if node.k == 'user' and node.s then redis.call('ZADD', starts, node.s, node.s) end
-    end
-  end
-  local cut = redis.call('ZRANGEBYSCORE', starts, exact, '+inf', 'LIMIT', 0, 1)[1]
-    or redis.call('ZREVRANGEBYSCORE', starts, '(' .. exact, '-inf', 'LIMIT', 0, 1)[1]
-    or exact
-  redis.call('XTRIM', log, 'MINID', cut .. '-0')
-  redis.call('ZREMRANGEBYSCORE', starts, '-inf', '(' .. cut)
-end
-if seq ~= tonumber(m.seq) then trim() end
+if seq ~= tonumber(m.seq) then trim(seq, m.head) end
 
 -- Ephemeral-only batches (plain deltas: the hot path) leave the state untouched.
 if seq ~= tonumber(m.seq) or changed then
