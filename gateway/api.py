@@ -464,19 +464,14 @@ class PublishEndpoint:
         return await _answered(work())
 
     @staticmethod
-    def routes(path: bytes) -> bool:
-        """Whether a POST to ``path`` (raw, no query string) is this endpoint's."""
-        return (path.startswith(_CONVERSATIONS_RAW) and path.endswith(_EVENTS_RAW)
-                and b"/" not in path[len(_CONVERSATIONS_RAW):-len(_EVENTS_RAW)])
+    def routes(path: str) -> bool:
+        """Whether a POST to ``path`` is this endpoint's."""
+        return (path.startswith(CONVERSATIONS) and path.endswith(EVENTS)
+                and "/" not in path[len(CONVERSATIONS):-len(EVENTS)])
 
-    @staticmethod
-    def matches(scope: Scope) -> bool:
-        path: str = scope["path"]
-        return (scope["method"] == "POST" and path.startswith(CONVERSATIONS)
-                and path.endswith(EVENTS) and "/" not in path[len(CONVERSATIONS):-len(EVENTS)])
-
-
-_CONVERSATIONS_RAW, _EVENTS_RAW = CONVERSATIONS.encode(), EVENTS.encode()
+    @classmethod
+    def matches(cls, scope: Scope) -> bool:
+        return scope["method"] == "POST" and cls.routes(scope["path"])
 
 
 @API.operation(

@@ -37,6 +37,7 @@ from .websocket import (
     GatewayWebSocketProtocol,
     Host,
     TransportListener,
+    response_head,
     waits_for_frame,
 )
 
@@ -145,8 +146,8 @@ class FastPost(Protocol):
 
     max_body: int
 
-    def routes(self, path: bytes) -> bool:
-        """Whether a POST to ``path`` (raw, no query string) is answered here."""
+    def routes(self, path: str) -> bool:
+        """Whether a POST to ``path`` (no query string, no escapes) is answered here."""
 
     async def answer(self, authorization: str | None, path: str, body: bytes
                      ) -> tuple[int, bytes]:
@@ -188,14 +189,11 @@ class FastRequest:
 
 def _head(status: int, length: int, default_headers: list[tuple[bytes, bytes]],
           keep_alive: bool) -> bytes:
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
-    for name, value in default_headers:
-        lines += [name, b": ", value, b"\r\n"]
-    lines.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % length)
+    extra = b"content-type: application/json\r\ncontent-length: %d\r\n" % length
     if not keep_alive:
-        lines.append(b"connection: close\r\n")
-    lines.append(b"\r\n")
-    return b"".join(lines)
+        extra += b"connection: close\r\n"
+    return response_head(b"%d %s" % (status, HTTPStatus(status).phrase.encode()), extra,
+                         default_headers)
 
 
 _INTERNAL_ERROR = b'{"error":{"code":"internal_error","message":"internal error"}}'
@@ -229,7 +227,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         url = self.url
         parser = self.parser
         if (route is None or parser.get_method() != b"POST" or b"?" in url or b"%" in url
-                or not route.routes(url) or self.expect_100_continue
+                or not route.routes(path := url.decode("ascii")) or self.expect_100_continue
                 or parser.get_http_version() != "1.1" or parser.should_upgrade()
                 or self.limit_concurrency is not None
                 or (self.cycle is not None and not self.cycle.response_complete)):
@@ -249,7 +247,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                                                                       HIGH_WATER_LIMIT):
             return None  # uvicorn reads it (and pauses reading past its high-water mark)
         self.scope["method"] = "POST"
-        return FastRequest(authorization, url.decode("ascii"), parser.should_keep_alive())
+        return FastRequest(authorization, path, parser.should_keep_alive())
 
     def on_message_complete(self) -> None:
         request: Any = self.cycle

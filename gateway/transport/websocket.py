@@ -92,7 +92,10 @@ class Flag:
         await waiter
 
 
-def _status(status: bytes, extra: bytes, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+def response_head(status: bytes, extra: bytes,
+                  default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """An HTTP/1.1 response's status line and headers: ``extra`` (complete header lines),
+    then the server's default ones (date, server)."""
     lines = [b"HTTP/1.1 ", status, b"\r\n", extra]
     for name, value in default_headers:
         lines += [name, b": ", value, b"\r\n"]
@@ -102,7 +105,7 @@ def _status(status: bytes, extra: bytes, default_headers: list[tuple[bytes, byte
 
 def _refuse(transport: asyncio.Transport, status: bytes, default_headers: Any,
             extra: bytes = b"") -> None:
-    transport.write(_status(status, b"content-type: text/plain; charset=utf-8\r\n"
+    transport.write(response_head(status, b"content-type: text/plain; charset=utf-8\r\n"
                             b"content-length: 0\r\nconnection: close\r\n" + extra,
                             default_headers))
     transport.close()
@@ -204,7 +207,7 @@ class Host:
         # (about a fifth of a handshake's CPU, measured with bench/connect.py), as a line per
         # HTTP request would be (the access log is off). Refusals stay at INFO.
         self.logger.debug('%s - "WebSocket %s" [accepted]', *line, extra=ids)
-        head = _status(b"101 Switching Protocols", b"".join(extra), default_headers)
+        head = response_head(b"101 Switching Protocols", b"".join(extra), default_headers)
         protocol = GatewayWebSocketProtocol(self, transport)
         transport.set_protocol(protocol)
         self.connections.add(protocol)
