@@ -128,15 +128,19 @@ local function trim(seq, head)
   redis.call('ZREMRANGEBYSCORE', starts, '-inf', '(' .. cut)
 end
 
+-- The types this script completes: the conversation's own (stored with node "") and the
+-- turn's. Every other durable type that is not streamed is plain: its node is the running
+-- turn's (node_of).
+local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true, child = true}
+local TURN_LEVEL = {user_message = true, turn_start = true, turn_end = true,
+                    cancel_requested = true}
+
 -- The hot path: one plain durable event (a note, a tool call, a status) in a conversation
 -- that exists, with no tree operation and no idempotency key. It has the effects and the
--- reply the general path below would have (its node is the running turn's, as node_of
--- says), reading only the five fields it needs.
-local NOT_PLAIN = {user_message = true, turn_start = true, turn_end = true, head = true,
-                   cancel_requested = true, goal_state = true, title = true, child = true}
+-- reply the general path below would have, reading only the five fields it needs.
 if n == 1 and op == '' and not idem and ARGV[base + 1] == '1' then
   local typ = ARGV[base]
-  if not (NOT_PLAIN[typ] or text_key[typ] or streamed_type[typ]) then
+  if not (CONVERSATION_LEVEL[typ] or TURN_LEVEL[typ] or text_key[typ] or streamed_type[typ]) then
     local f = redis.call('HMGET', meta, 'epoch', 'owner', 'seq', 'turn_id', 'head')
     local epoch, owner, head = f[1], f[2], f[5] or ''
     if epoch and (ARGV[8] == '' or ARGV[8] == owner) then
@@ -374,7 +378,6 @@ local touched = {}  -- stream headers to write back
 local opened = 0
 local started_or_cancelled = nil
 local message_node = nil  -- the user_message this batch added
-local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true, child = true}
 
 -- The node a durable event belongs to ("" for the conversation itself).
 local function node_of(typ, arg)
