@@ -19,6 +19,14 @@ from .wsclient import Client, Frame
 # --- conversations ----------------------------------------------------------------------
 
 
+async def read(gw: Any, user: str, path: str) -> Any:
+    """``GET path`` as ``user``: its JSON body, which must come with 200."""
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        resp = await http.get(path, headers=gw.headers(user))
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
 async def create(gw: Any, user: str, chat_id: str, title: str | None = None) -> Frame:
     """Create ``chat_id``, owned by ``user``; returns the conversation (``epoch``...)."""
     body: dict[str, Any] = {"chat_id": chat_id}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 import redis.asyncio as aioredis
 
@@ -15,7 +14,7 @@ from gateway.redis.backend import Backend
 from gateway.redis.store import Store
 from gateway.sdk.agent import Turn
 
-from .steps import create, end_turn, history, message_and_reply, op, publish
+from .steps import create, end_turn, history, message_and_reply, op, publish, read
 from .wsclient import Client, Frame, connect
 
 pytestmark = pytest.mark.anyio
@@ -49,17 +48,12 @@ async def work(ws: Client, gw: Any, chat_id: str, steps: int) -> None:
 
 
 async def tree(gw: Any, user: str, chat_id: str) -> dict[str, Frame]:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.get(f"/v1/conversations/{chat_id}/tree", headers=gw.headers(user))
-    assert resp.status_code == 200, resp.text
-    return {n["id"]: n for n in resp.json()["nodes"]}
+    return {n["id"]: n for n in (await read(gw, user, f"/v1/conversations/{chat_id}/tree"))
+            ["nodes"]}
 
 
 async def active_page(gw: Any, user: str, chat_id: str) -> Frame:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.get(f"/v1/conversations/{chat_id}/events", headers=gw.headers(user))
-    assert resp.status_code == 200, resp.text
-    page: Frame = resp.json()
+    page: Frame = await read(gw, user, f"/v1/conversations/{chat_id}/events")
     return page
 
 

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
-from .steps import create, end_turn, exchange, message_and_reply, op, post_events, publish
+from .steps import create, end_turn, exchange, message_and_reply, op, post_events, publish, read
 from .wsclient import Frame, connect
 
 pytestmark = pytest.mark.anyio
 
 
 async def conversation(gw: Any, user: str, chat_id: str) -> Frame:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        resp = await http.get(f"/v1/conversations/{chat_id}", headers=gw.headers(user))
-    assert resp.status_code == 200, resp.text
-    found: Frame = resp.json()
+    found: Frame = await read(gw, user, f"/v1/conversations/{chat_id}")
     return found
 
 

@@ -126,10 +126,12 @@ class Raw:
 
 
 def upgrade(gw: GatewayProcess, user: str, *, key: bytes | None = None, version: bytes = b"13",
-            method: bytes = b"GET", path: bytes = b"/v1/ws", extra: bytes = b"") -> bytes:
+            method: bytes = b"GET", path: bytes = b"/v1/ws", extra: bytes = b"",
+            query: bytes | None = None) -> bytes:
+    """An upgrade request; its query is ``user``'s token unless ``query`` is given."""
     key = base64.b64encode(os.urandom(16)) if key is None else key
-    token = gw.token(user).encode()
-    return (method + b" " + path + b"?token=" + token + b" HTTP/1.1\r\n"
+    query = b"token=" + gw.token(user).encode() if query is None else query
+    return (method + b" " + path + b"?" + query + b" HTTP/1.1\r\n"
             b"Host: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: keep-alive, Upgrade\r\n"
             b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: " + version + b"\r\n"
             + extra + b"\r\n")
@@ -340,11 +342,7 @@ async def test_frames_after_a_close_are_ignored(gateway: GatewayProcess) -> None
 
 async def test_a_refused_token_gets_its_close_code_after_the_101(
         gateway: GatewayProcess) -> None:
-    key = base64.b64encode(os.urandom(16))
-    request = (b"GET /v1/ws?token=nope HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-               b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key
-               + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
-    raw, head = await Raw.open(gateway, request)
+    raw, head = await Raw.open(gateway, upgrade(gateway, "", query=b"token=nope"))
     assert head.startswith(b"HTTP/1.1 101 ")
     code, reason = await raw.closed_with()
     assert code == 4001 and reason.startswith(b"invalid token")
@@ -374,11 +372,8 @@ async def test_messages_sent_before_a_ticket_is_redeemed_wait_for_the_session(
     async with httpx.AsyncClient(base_url=gateway.http) as http:
         reply = await http.post("/v1/ws-ticket", headers=gateway.headers("ticket-user"))
         assert reply.status_code == 200, reply.text
-    key = base64.b64encode(os.urandom(16))
-    request = (b"GET /v1/ws?ticket=" + reply.json()["ticket"].encode() + b" HTTP/1.1\r\n"
-               b"Host: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-               b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
-    raw, head = await Raw.open(gateway, request)
+    ticket = b"ticket=" + reply.json()["ticket"].encode()
+    raw, head = await Raw.open(gateway, upgrade(gateway, "ticket-user", query=ticket))
     assert head.startswith(b"HTTP/1.1 101 ")
     # At once, before hello: more messages than are held before reading stops.
     raw.send(b"".join(frame(TEXT, ping_request(f"early-{i}")) for i in range(6)))
@@ -390,11 +385,7 @@ async def test_messages_sent_before_a_ticket_is_redeemed_wait_for_the_session(
 
 
 async def test_a_spent_ticket_closes_4001(gateway: GatewayProcess) -> None:
-    key = base64.b64encode(os.urandom(16))
-    request = (b"GET /v1/ws?ticket=nope HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-               b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key
-               + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
-    raw, head = await Raw.open(gateway, request)
+    raw, head = await Raw.open(gateway, upgrade(gateway, "", query=b"ticket=nope"))
     assert head.startswith(b"HTTP/1.1 101 ")
     raw.send(frame(TEXT, ping_request("too-early")))  # dropped with the refusal
     code, reason = await raw.closed_with()
