@@ -297,11 +297,12 @@ test("while an answer streams, silence is noticed within activePing + activePong
   const closed = closes(client);
   client.connect();
   const conn = await server.accept(client, 1);
-  client.subscribe("c1");
+  const subscribed = client.subscribe("c1");
   const req = await conn.next("subscribe");
   conn.subscribed(req);
-  await sleep(400);
-  assert.equal(conn.of("ping").length, 0, "idle: the long idlePing applies");
+  await subscribed;
+  // What the heartbeat asks before it picks idlePing or activePing (no wait for an absence).
+  assert.equal(client._expecting(), false, "idle: the long idlePing applies");
   // A delta opens a stream: tokens are expected now.
   conn.push({ type: "delta", chat_id: "c1", seq: null, ts: 1, stream: { id: "s1", pos: 0 }, data: { text: "Hi" } });
   const sent = Date.now();
@@ -320,11 +321,10 @@ test("a running turn counts as active; its turn_end makes the connection idle ag
     snapshot: { title: null, status: "running", turn_id: "t1", started_at: 1, goal_state: null },
   });
   await conn.next("ping", 2000);
+  assert.equal(client._expecting(), true, "a running turn: activePing");
   conn.push({ type: "turn_end", chat_id: "c1", seq: 1, ts: 1, data: { turn_id: "t1", reason: "complete" } });
   await roundTrip(client);
-  const pings = conn.of("ping").length;
-  await sleep(400);
-  assert.equal(conn.of("ping").length, pings, "idle again");
+  assert.equal(client._expecting(), false, "idle again: the long idlePing applies");
 });
 
 test("after a 1012 failed attempts keep to restartMaxDelay; other drops grow to maxDelay", async (t) => {

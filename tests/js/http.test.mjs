@@ -38,11 +38,14 @@ test("a token the ticket endpoint refuses stops the client as 4001 would", async
   const { server, client } = await setup(t, { useTicket: true });
   server.onHttp = () => ({ status: 401, body: { error: { code: "unauthorized", message: "token expired" } } });
   const closed = [];
+  const states = [];
   client.on("closed", (c) => closed.push(c));
+  client.on("state", (s) => states.push(s.state));
   client.connect();
   await until(() => client.state === "closed", "closed");
   assert.deepEqual(closed, [{ code: 4001, reason: "token expired", terminal: true }]);
-  await sleep(50);
+  // Every retry is scheduled through "reconnecting": none was.
+  assert.deepEqual(states, ["connecting", "closed"], "no retry");
   assert.equal(server.requests.length, 1, "no retry");
   assert.equal(server.connections.length, 0, "no socket");
 });
