@@ -95,14 +95,16 @@ local children = KEYS[5 + k]
 local idem = KEYS[6 + k]
 
 local now = now_ms()
+local now_text = tostring(now)  -- once: a number's text costs more than the rest of a frame
 
 -- A durable event, stored as log entry "<seq>-0" and published: the one writer of both.
 local function append(typ, node, at, data, epoch)
+  local seq = tostring(at)
   local head = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat)
   if node ~= '' then head = head .. ',"node":' .. cjson.encode(node) end
-  local frame = head .. ',"seq":' .. at .. ',"ts":' .. now .. ',"data":' .. data .. '}'
-  redis.call('XADD', log, at .. '-0', 'f', frame, 'n', node)
-  redis.call('SPUBLISH', channel, envelope(epoch, at, nil, nil, frame))
+  local frame = head .. ',"seq":' .. seq .. ',"ts":' .. now_text .. ',"data":' .. data .. '}'
+  redis.call('XADD', log, seq .. '-0', 'f', frame, 'n', node)
+  redis.call('SPUBLISH', channel, envelope(epoch, seq, nil, nil, frame))
 end
 
 -- History is trimmed at turn boundaries only: what is kept starts with a user message.
@@ -145,12 +147,14 @@ if n == 1 and op == '' and not idem and ARGV[base + 1] == '1' then
     local epoch, owner, head = f[1], f[2], f[5] or ''
     if epoch and (ARGV[8] == '' or ARGV[8] == owner) then
       local at = tonumber(f[3]) + 1
-      append(typ, f[4] or '', at, ARGV[base + 2], epoch)
+      local seq = tostring(at)
+      append(typ, f[4] or '', seq, ARGV[base + 2], epoch)
       trim(at, head)
-      redis.call('HSET', meta, 'seq', at, 'updated_at', now)
-      return cjson.encode({epoch = epoch, seqs = {at}, last_seq = at, owner = owner,
-                           duplicate = false, ts = now, listed = false, created = false,
-                           head = head})
+      redis.call('HSET', meta, 'seq', seq, 'updated_at', now_text)
+      -- written out: cjson.encode of the reply's table costs as much as the append
+      return '{"epoch":' .. cjson.encode(epoch) .. ',"seqs":[' .. seq .. '],"last_seq":' ..
+        seq .. ',"owner":' .. cjson.encode(owner) .. ',"duplicate":false,"ts":' ..
+        now_text .. ',"head":' .. cjson.encode(head) .. '}'
     end
   end
 end
