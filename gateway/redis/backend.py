@@ -49,11 +49,17 @@ class Node:
         self._link: PipelinedLink | None = None
         self._linking: asyncio.Future[PipelinedLink] | None = None
 
+    @property
+    def open_link(self) -> PipelinedLink | None:
+        """The pipelined connection when it is up, else None (:meth:`link` makes one)."""
+        link = self._link
+        return link if link is not None and link.open else None
+
     async def link(self) -> PipelinedLink:
         """The pipelined connection, made on first use and again once it has closed;
         concurrent callers share one connect (and its failure)."""
-        link = self._link
-        if link is not None and link.open:
+        link = self.open_link
+        if link is not None:
             return link
         if self._linking is None:
             self._linking = asyncio.ensure_future(self._open_link())

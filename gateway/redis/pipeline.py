@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Coroutine
+from functools import partial
 from typing import Any
 
 import hiredis
@@ -39,6 +41,7 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .backend import Backend, Node
@@ -135,12 +138,39 @@ class AutoPipeline:
                 continue
             by_node.setdefault(node, []).append(call)
         assert self._loop is not None
+        waits = self._wait[0] > 0
         for node, calls in by_node.items():
-            task = self._loop.create_task(self._send(node, calls))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            link = node.open_link
+            if link is None or (waits and any(call.durable for call in calls)):
+                self._spawn(self._send(node, calls))
+                continue
+            # The usual case needs no task: the batch goes out now, and its replies are
+            # handed out from the reply future's callback.
+            try:
+                replies = link.request(_packed([call.args for call in calls]), len(calls))
+            except Exception as exc:  # the link closed since: the same as a failed send
+                self._spawn(self._failed(calls, exc))
+                continue
+            replies.add_done_callback(partial(self._replied, node, calls))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _replied(self, node: Node, calls: list[_Call], done: asyncio.Future[list[Any]]) -> None:
+        error = (RedisConnectionError(f"a batch to {node.name} was cancelled")
+                 if done.cancelled() else done.exception())
+        if error is not None:
+            self._spawn(self._failed(calls, error))
+            return
+        retry = _hand_out(calls, done.result(), None)
+        if retry:
+            self._spawn(self._retry(node, retry))
 
     async def _send(self, node: Node, calls: list[_Call]) -> None:
+        """A batch on a link still to be made, or one that waits for replicas."""
         commands = [call.args for call in calls]
         durable = self._wait[0] > 0 and any(call.durable for call in calls)
         if durable:
@@ -151,32 +181,38 @@ class AutoPipeline:
             else:
                 replies = await _pipelined(node, commands)
         except Exception as exc:  # the round trip itself failed: every caller hears it
-            timeout = isinstance(exc, (TimeoutError, RedisTimeoutError))
-            REDIS.command_errors["timeout" if timeout else "connection"] += len(calls)
-            for call in calls:
-                _settle(call, exc)
-            if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
-                await self._backend.refresh()  # the node may have failed over
+            await self._failed(calls, exc)
             return
         acked = replies.pop() if durable else None
         if durable:
             _count_wait(acked, self._wait[0])
-        for call, reply in zip(calls, replies, strict=True):
+        retry = _hand_out(calls, replies, acked)
+        if retry:
+            await self._retry(node, retry)
+
+    async def _failed(self, calls: list[_Call], exc: BaseException) -> None:
+        timeout = isinstance(exc, (TimeoutError, RedisTimeoutError))
+        REDIS.command_errors["timeout" if timeout else "connection"] += len(calls)
+        for call in calls:
+            _settle(call, exc)
+        if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
+            await self._backend.refresh()  # the node may have failed over
+
+    async def _retry(self, node: Node, retry: list[tuple[_Call, Exception]]) -> None:
+        """The calls refused unapplied: a script the node lacks, a slot that moved."""
+        for call, reply in retry:
             if isinstance(reply, NoScriptError):  # a restart, SCRIPT FLUSH, a new primary
                 reply = await self._alone(node, call)
                 if not isinstance(reply, Exception):
                     _settle(call, reply)  # complete: (reply, replicas) when durable
                     continue
-            if isinstance(reply, (AskError, TryAgainError, ClusterDownError)) \
-                    and call.redirects < MAX_REDIRECTS:
+            if _redirected(call, reply):
                 call.redirects += 1
                 REDIS.redirects[_REDIRECTS.get(type(reply), "other")] += 1
                 await self._redirect(call, reply)
                 continue
-            if isinstance(reply, Exception):
-                REDIS.command_errors["reply"] += 1
-            _settle(call, (reply, acked) if call.durable and not isinstance(reply, Exception)
-                    else reply)
+            REDIS.command_errors["reply"] += 1
+            _settle(call, reply)
 
     async def _alone(self, node: Node, call: _Call, before: tuple[Any, ...] = ()) -> Any:
         """Run one call on its own (after ``before``, e.g. ``ASKING``), with the source of
@@ -222,6 +258,30 @@ def _count_wait(acked: Any, wanted: int) -> None:
         REDIS.wait_short += 1
 
 
+def _redirected(call: _Call, reply: Any) -> bool:
+    """A refusal that another try may get past: a slot moving or a cluster recovering."""
+    return (isinstance(reply, (AskError, TryAgainError, ClusterDownError))
+            and call.redirects < MAX_REDIRECTS)
+
+
+def _hand_out(calls: list[_Call], replies: list[Any], acked: Any
+              ) -> list[tuple[_Call, Exception]]:
+    """Settle each call with its reply, ``(reply, replicas)`` for a durable one; return the
+    calls refused unapplied (NOSCRIPT, a redirect), which :meth:`AutoPipeline._retry` sends
+    again."""
+    retry = []
+    for call, reply in zip(calls, replies, strict=True):
+        if isinstance(reply, Exception):
+            if isinstance(reply, NoScriptError) or _redirected(call, reply):
+                retry.append((call, reply))
+                continue
+            REDIS.command_errors["reply"] += 1
+            _settle(call, reply)
+        else:
+            _settle(call, (reply, acked) if call.durable else reply)
+    return retry
+
+
 def _settle(call: _Call, reply: Any) -> None:
     if call.future.done():
         return  # the caller went away; the command stands
@@ -235,8 +295,11 @@ async def _pipelined(node: Node, commands: list[tuple[Any, ...]]) -> list[Any]:
     """Every command in one write on the node's pipelined link; every reply, an error
     reply as its exception object. Batches in flight share the link, in order."""
     link = await node.link()
-    return await link.request(b"".join([hiredis.pack_command(args) for args in commands]),
-                              len(commands))
+    return await link.request(_packed(commands), len(commands))
+
+
+def _packed(commands: list[tuple[Any, ...]]) -> bytes:
+    return b"".join([hiredis.pack_command(args) for args in commands])
 
 
 async def _round_trip(node: Node, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -244,8 +307,7 @@ async def _round_trip(node: Node, commands: list[tuple[Any, ...]]) -> list[Any]:
     pool = node.client.connection_pool
     connection = await pool.get_connection()
     try:
-        await connection.send_packed_command(
-            b"".join([hiredis.pack_command(args) for args in commands]))
+        await connection.send_packed_command(_packed(commands))
         replies: list[Any] = []
         for _ in commands:
             try:
