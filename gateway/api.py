@@ -141,6 +141,22 @@ class StreamQuery(msgspec.Struct, frozen=True):
     last_event_id: LastEventId | UnsetType = UNSET
 
 
+# What MessagePack subscribers are sent: published data must fit it (protocol.uncarried).
+_to_msgpack = msgspec.msgpack.Encoder().encode
+
+
+def _uncarried(events: list[PublishEvent]) -> str | None:
+    """Why MessagePack cannot carry some event's data, naming that event; None when it
+    carries all: one encode for the whole batch, and one per event only to find the one."""
+    why = p.uncarried(_to_msgpack, events, "$.events")
+    if why is not None:
+        for i, event in enumerate(events):
+            found = p.uncarried(_to_msgpack, event.data, f"$.events[{i}].data")
+            if found is not None:
+                return found
+    return why
+
+
 class PublishBody(msgspec.Struct, frozen=True):
     """One event (`type`, `data`, ...) or a batch of them (`events`)."""
 
@@ -153,12 +169,19 @@ class PublishBody(msgspec.Struct, frozen=True):
     attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
     def batch(self) -> PublishBatch:
+        """The events, once the body is one form or the other and every event's data fits
+        both wire formats (stored once, it is sent in both): one that does not refuses the
+        whole batch."""
         if not isinstance(self.events, UnsetType):
             if not isinstance(self.type, UnsetType):
                 raise Rejected("unprocessable", "give either `type` (one event) or `events`")
+            if (why := _uncarried(self.events)) is not None:
+                raise Rejected("unprocessable", why)
             return PublishBatch(self.events, self.idempotency_key)
         if isinstance(self.type, UnsetType):
             raise Rejected("unprocessable", "Object missing required field `type`")
+        if (why := p.uncarried(_to_msgpack, self.data, "$.data")) is not None:
+            raise Rejected("unprocessable", why)
         one = PublishEvent(self.type, self.data, self.durable, self.idempotency_key,
                            self.attempt)
         return PublishBatch([one], self.idempotency_key)
@@ -478,7 +501,8 @@ class PublishEndpoint:
     "POST", "/v1/conversations/{chat_id}/events", summary="Publish events (service)",
     description="One event (`type`, `data`, ...) or a batch (`events`, at most 500, atomic, "
     "in order). A repeated `idempotency_key` returns the first result with "
-    "`duplicate: true` and writes nothing. Event types and their data: protocol.md.",
+    "`duplicate: true` and writes nothing. `data` must fit both wire formats: an integer "
+    "outside -2^63 to 2^64 - 1 is refused (422). Event types and their data: protocol.md.",
     body=PUBLISH_BODY, reply=Published, errors=(400, 403, 404, 409, 413, 422, 503),
 )
 async def publish(request: Request) -> Response:

@@ -6,6 +6,7 @@ No I/O lives here. ``protocol.md`` is the prose version of this module; keep the
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -316,12 +317,9 @@ class Codec:
         except UnicodeDecodeError:  # msgspec checks a string's UTF-8 as it decodes it
             raise msgspec.DecodeError("a string is not valid UTF-8") from None
         if isinstance(frame, Message) and frame.data is not None:
-            # Stored once, then sent in both formats: refuse here what the other cannot
-            # carry (integers past 64 bits; MessagePack extensions, maps keyed by non-strings).
-            try:
-                self._other(frame.data)
-            except (TypeError, OverflowError) as exc:
-                raise msgspec.ValidationError(f"{exc} - at `$.data`") from None
+            why = uncarried(self._other, frame.data, "$.data")
+            if why is not None:
+                raise msgspec.ValidationError(why)
         return frame
 
     def envelope(self, data: bytes) -> Envelope:
@@ -330,6 +328,21 @@ class Codec:
             return envelope
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
             return Envelope()
+
+
+def uncarried(other: Callable[[Any], bytes], data: Any, at: str) -> str | None:
+    """Why ``data``, decoded from one wire format, cannot be encoded by ``other`` (the other
+    format's encoder), naming where it is (``at``); None when it can.
+
+    Clients' data (a ``message``'s, a published event's) is stored once, then sent in both
+    formats: what one of them cannot carry (integers past 64 bits in MessagePack;
+    MessagePack extensions, maps keyed by non-strings in JSON) is refused up front.
+    """
+    try:
+        other(data)
+    except (TypeError, OverflowError) as exc:
+        return f"{exc} - at `{at}`"
+    return None
 
 
 def error_message(exc: msgspec.DecodeError | msgspec.ValidationError) -> tuple[str, str]:

@@ -284,6 +284,55 @@ async def test_http_publish_validation(gateway: Any, user: str, chat_id: str) ->
         error_of(absent, 404, "not_found")
 
 
+async def test_http_publish_refuses_data_messagepack_cannot_carry(
+    gateway: Any, user: str, chat_id: str
+) -> None:
+    """An integer past 64 bits in a published event's data was stored, and then never
+    reached MessagePack subscribers (its frame cannot be encoded): it broke the fan-out and
+    the process's pub/sub connection with it. Refused up front now, as a WebSocket
+    ``message``'s data is (protocol.uncarried), naming where it is, and nothing is stored."""
+    service, owner = gateway.headers("agent", "service"), gateway.headers(user)
+    url = f"/v1/conversations/{chat_id}/events"
+    big = 123456789012345678901234567890
+    async with connect(gateway.url(user), binary=True) as mp, connect(gateway.url(user)) as js, \
+            httpx.AsyncClient(base_url=gateway.http) as http:
+        await mp.subscribe(chat_id)
+        await js.subscribe(chat_id)
+        await publish(gateway, chat_id, {"type": "note", "data": {"n": 1}})
+        for ws in (mp, js):
+            await ws.expect("note", seq=1)
+        key = "k-" + uuid.uuid4().hex
+        cases: list[tuple[Any, str]] = [
+            ({"type": "note", "data": {"n": big}}, "$.data"),
+            ({"type": "note", "data": {"deep": [{"n": -big}]}, "durable": False}, "$.data"),
+            ({"type": "turn_end", "data": {"reason": "complete", "n": 2**64}}, "$.data"),
+            ({"events": [{"type": "note", "data": {"ok": 1}},
+                         {"type": "note", "data": {"n": 2**64}}], "idempotency_key": key},
+             "$.events[1].data"),
+            ({"events": [{"type": "note", "data": {"n": -(2**63) - 1}, "durable": False},
+                         {"type": "note", "data": {"ok": 2}}]}, "$.events[0].data"),
+        ]
+        for body, where in cases:
+            message = error_of(await http.post(url, json=body, headers=service),
+                               422, "unprocessable")
+            assert f"`{where}`" in message and "2**64" in message, (body, message)
+
+        # Nothing was stored, not even the refused batch's idempotency key.
+        page = (await http.get(url + "?after=0", headers=owner)).json()
+        assert page["last_seq"] == 1 and [e["seq"] for e in page["events"]] == [1], page
+        edges = {"max": 2**64 - 1, "min": -(2**63)}  # the last integers both formats carry
+        retried = await publish(gateway, chat_id, {"type": "note", "data": {"ok": 1}},
+                                {"type": "note", "data": edges}, key=key)
+        assert retried["seqs"] == [2, 3] and retried["duplicate"] is False, retried
+        # And nothing was sent: both subscribers' next frames are those, MessagePack's too.
+        for ws in (mp, js):
+            got = [(f["type"], f["seq"], f["data"]) for f in (await ws.recv(), await ws.recv())]
+            assert got == [("note", 2, {"ok": 1}), ("note", 3, edges)], got
+        page = (await http.get(url + "?after=0", headers=owner)).json()
+        assert page["last_seq"] == 3 and [e["data"] for e in page["events"]] == [
+            {"n": 1}, {"ok": 1}, edges]
+
+
 async def test_http_path_and_query_validation(gateway: Any, user: str, chat_id: str) -> None:
     headers = gateway.headers(user)
     await create(gateway, user, chat_id)
