@@ -2,12 +2,47 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import msgspec
 
 from .transport.frames import binary_frame, text_frame
 
+log = logging.getLogger("gateway.frames")
+
 _json_decode = msgspec.json.decode
 _msgpack_encode = msgspec.msgpack.encode
+_MSGPACK_INTS = range(-(2**63), 2**64)
+
+
+def json_to_msgpack(json: bytes) -> bytes:
+    """Stored JSON as MessagePack: the one conversion, for frames and snapshots alike.
+
+    An integer past 64 bits, which MessagePack cannot hold, goes as a float, the value a
+    JavaScript client reads from the JSON: the gateway refuses such data, but a log written
+    before it did may hold some, and a frame that cannot be encoded must still reach its
+    MessagePack recipients (a gap they resume into would fail the same way every time).
+    """
+    value = _json_decode(json)
+    try:
+        return _msgpack_encode(value)
+    except OverflowError:
+        log.warning("an integer past 64 bits sent to MessagePack clients as a float")
+        return _msgpack_encode(_wide_ints_as_floats(value))
+
+
+def _wide_ints_as_floats(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _wide_ints_as_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_wide_ints_as_floats(item) for item in value]
+    if isinstance(value, int) and value not in _MSGPACK_INTS:
+        try:
+            return float(value)
+        except OverflowError:  # past a double's range too
+            return float("inf") if value > 0 else float("-inf")
+    return value
 
 
 class Frame:
@@ -35,7 +70,7 @@ class Frame:
     @property
     def msgpack(self) -> bytes:
         if self._msgpack is None:
-            self._msgpack = _msgpack_encode(_json_decode(self.json))
+            self._msgpack = json_to_msgpack(self.json)
         return self._msgpack
 
     @property

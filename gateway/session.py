@@ -41,7 +41,7 @@ from .closecodes import (
 )
 from .errors import Rejected
 from .events import now_ms
-from .frames import Frame
+from .frames import Frame, json_to_msgpack
 from .metrics import COUNTS
 from .redis.channels import CONFIRM_TIMEOUT, wait_shared
 from .redis.records import Meta
@@ -653,7 +653,7 @@ def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None =
     if meta.goal:
         # The goal is stored as JSON; a Raw is spliced into the output as is, so a
         # MessagePack frame needs it re-encoded as MessagePack.
-        goal = msgspec.Raw(_to_msgpack(meta.goal) if binary else meta.goal)
+        goal = msgspec.Raw(json_to_msgpack(meta.goal) if binary else meta.goal)
     return p.Snapshot(
         title=meta.title,
         status="running" if meta.status == "running" else "idle",
@@ -666,10 +666,6 @@ def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None =
         message_count=meta.message_count,
         children=children or msgspec.UNSET,
     )
-
-
-def _to_msgpack(json: bytes) -> bytes:
-    return msgspec.msgpack.encode(msgspec.json.decode(json))
 
 
 def _echo(value: Any) -> Any:

@@ -420,3 +420,50 @@ async def test_health_endpoints(gateway: Any) -> None:
         ready = await http.get("/readyz")
         assert ready.status_code == 200 and ready.json() == {
             "status": "ready", "dependencies": {"redis": "ok", "pubsub": "ok"}}
+
+
+async def test_a_stored_integer_past_64_bits_still_reaches_messagepack_clients(
+    gateway: Any, user: str, chat_id: str, redis_url: str
+) -> None:
+    """A log written before the gateway refused integers past 64 bits may hold some. Their
+    frame could not be encoded for MessagePack: the exception closed the pub/sub connection
+    of every conversation, and a MessagePack resume over it closed with 1011 each time. It
+    now reaches MessagePack clients with that integer as a float (what a JavaScript client
+    reads from the JSON), live and on resume, and JSON clients get it exactly."""
+    import redis.asyncio as aioredis
+
+    from gateway.config import Settings
+    from gateway.redis.backend import Backend
+    from gateway.redis.records import OutEvent
+    from gateway.redis.store import Store
+
+    big, other = 123456789012345678901234567890, chat_id + "-other"
+    conversation = await create(gateway, user, chat_id)
+    await create(gateway, user, other)
+    settings = Settings(redis_url=redis_url, secret="x")
+    store = Store(Backend.of(aioredis.from_url(redis_url), settings), settings)
+    stored = b'{"n":%d,"deep":[{"m":%d}],"ok":1}' % (big, -big)
+    try:
+        async with connect(gateway.url(user), binary=True) as mp, \
+                connect(gateway.url(user)) as js:
+            for ws in (mp, js):
+                await ws.subscribe(chat_id)
+                await ws.subscribe(other)
+            # As an older gateway stored it: straight to the store, past today's checks.
+            await store.publish(chat_id, [OutEvent(type="note", data=stored)])
+            await publish(gateway, other, {"type": "note", "data": {"k": 1}})
+            live = [await mp.recv(), await mp.recv()]
+            exact = [await js.recv(), await js.recv()]
+            assert [(f["chat_id"], f["seq"]) for f in live] == [(chat_id, 1), (other, 1)]
+            assert live[0]["data"] == {"n": float(big), "deep": [{"m": -float(big)}], "ok": 1}
+            assert isinstance(live[0]["data"]["n"], float)
+            assert exact[0]["data"] == {"n": big, "deep": [{"m": -big}], "ok": 1}
+            assert exact[1]["data"] == {"k": 1}
+        async with connect(gateway.url(user), binary=True) as late:
+            await late.subscribe(chat_id, since={"seq": 0, "epoch": conversation["epoch"]})
+            replayed = await late.events(chat_id, 1)
+            assert replayed[0]["data"]["n"] == float(big)
+            await publish(gateway, chat_id, {"type": "note", "data": {"after": 1}})
+            assert (await late.events(chat_id, 1))[0]["seq"] == 2  # the connection is fine
+    finally:
+        await store.backend.aclose()
