@@ -141,22 +141,6 @@ class StreamQuery(msgspec.Struct, frozen=True):
     last_event_id: LastEventId | UnsetType = UNSET
 
 
-# What MessagePack subscribers are sent: published data must fit it (protocol.uncarried).
-_to_msgpack = msgspec.msgpack.Encoder().encode
-
-
-def _uncarried(events: list[PublishEvent]) -> str | None:
-    """Why MessagePack cannot carry some event's data, naming that event; None when it
-    carries all: one encode for the whole batch, and one per event only to find the one."""
-    why = p.uncarried(_to_msgpack, events, "$.events")
-    if why is not None:
-        for i, event in enumerate(events):
-            found = p.uncarried(_to_msgpack, event.data, f"$.events[{i}].data")
-            if found is not None:
-                return found
-    return why
-
-
 class PublishBody(msgspec.Struct, frozen=True):
     """One event (`type`, `data`, ...) or a batch of them (`events`)."""
 
@@ -169,19 +153,12 @@ class PublishBody(msgspec.Struct, frozen=True):
     attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
     def batch(self) -> PublishBatch:
-        """The events, once the body is one form or the other and every event's data fits
-        both wire formats (stored once, it is sent in both): one that does not refuses the
-        whole batch."""
         if not isinstance(self.events, UnsetType):
             if not isinstance(self.type, UnsetType):
                 raise Rejected("unprocessable", "give either `type` (one event) or `events`")
-            if (why := _uncarried(self.events)) is not None:
-                raise Rejected("unprocessable", why)
             return PublishBatch(self.events, self.idempotency_key)
         if isinstance(self.type, UnsetType):
             raise Rejected("unprocessable", "Object missing required field `type`")
-        if (why := p.uncarried(_to_msgpack, self.data, "$.data")) is not None:
-            raise Rejected("unprocessable", why)
         one = PublishEvent(self.type, self.data, self.durable, self.idempotency_key,
                            self.attempt)
         return PublishBatch([one], self.idempotency_key)
@@ -402,9 +379,11 @@ def _publisher(gateway: Gateway, authorization: str | None, query: bytes, path: 
 
 
 async def _published(gateway: Gateway, who: Principal, chat_id: str, body: bytes) -> bytes:
-    batch = _decode(body, PublishBody).batch()
+    request = _decode(body, PublishBody)
+    batch = request.batch()
     result = await gateway.conversations.publish(
-        who, chat_id, list(batch.events), batch.idempotency_key
+        who, chat_id, list(batch.events), batch.idempotency_key,
+        in_batch=not isinstance(request.events, UnsetType),
     )
     return _encode(Published(chat_id, result.epoch, result.seqs, result.last_seq,
                              result.duplicate))

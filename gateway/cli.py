@@ -15,6 +15,7 @@ import msgspec
 from . import logs
 from .auth import Principal, issue_token
 from .config import ConfigError, Settings, data_path, load_settings
+from .errors import Rejected
 
 if TYPE_CHECKING:
     from .app import GatewayApp
@@ -208,7 +209,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
         finally:
             await backend.aclose()
 
-    result = asyncio.run(run())
+    try:
+        result = asyncio.run(run())
+    except Rejected as exc:  # nothing was stored
+        print(f"gateway publish: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
     print(msgspec.json.encode({"epoch": result.epoch, "seqs": result.seqs}).decode())
     return 0
 

@@ -196,8 +196,13 @@ class Conversations:
         return p.Ack(req.chat_id, result.seqs[0], None, result.turn_id, False, req.id)
 
     async def publish(self, who: Principal, chat_id: str, events: list[PublishEvent],
-                      idempotency_key: str | None = None) -> Published:
-        out = [to_out_event(e) for e in events]
+                      idempotency_key: str | None = None, *, in_batch: bool = False
+                      ) -> Published:
+        """Store an agent's ``events``, all or none (one refused refuses them all).
+        ``in_batch``: they came as a request's ``events``, so a refusal names the event's
+        index (``$.events[i].data``, else ``$.data``)."""
+        out = ([to_out_event(e, i) for i, e in enumerate(events)] if in_batch
+               else [to_out_event(e) for e in events])
         return await self.store.publish(
             chat_id, out, idempotency_key=f"p:{idempotency_key}" if idempotency_key else None,
             writer=who.writer(),

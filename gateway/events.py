@@ -16,6 +16,9 @@ from .errors import Rejected
 from .redis.records import OutEvent
 
 _encode = msgspec.json.encode
+# Every event is stored once and sent in both wire formats: its data must fit MessagePack
+# too (to_out_event; protocol.uncarried).
+_to_msgpack = msgspec.msgpack.Encoder().encode
 TITLE_MAX = p.TITLE_MAX
 
 # The event types whose data the gateway reads, and the shape it must have (to_out_event).
@@ -79,11 +82,23 @@ def clean_title(raw: str) -> str:
     return title
 
 
-def to_out_event(event: PublishEvent) -> OutEvent:
-    """Validate an agent event; complete the ones whose meaning the gateway owns."""
+def to_out_event(event: PublishEvent, index: int | None = None) -> OutEvent:
+    """Validate an agent event; complete the ones whose meaning the gateway owns.
+
+    Every publisher's events pass here (the HTTP route, the CLI, the worker SDK), so this
+    is where data that both wire formats cannot carry (an integer past 64 bits) is refused,
+    ``unprocessable``, at ``$.data``, or ``$.events[index].data`` for the ``index``-th
+    event of a batch: one MessagePack encode of the data, which is dropped.
+    """
     kind = event.type
     if kind in p.GATEWAY_ONLY_TYPES:
         raise Rejected("reserved_type", f"event type {kind!r} is reserved for the gateway")
+    # The data as given, typed events' too (goal_state's updated_at is any integer, stored
+    # as is).
+    why = p.uncarried(_to_msgpack, event.data,
+                      "$.data" if index is None else f"$.events[{index}].data")
+    if why is not None:
+        raise Rejected("unprocessable", why)
     spec = TYPED_DATA.get(kind)
     if spec is not None:
         try:

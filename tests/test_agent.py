@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.config import Settings
+from gateway.errors import Rejected
 from gateway.redis.agent_inbox import inbox_key
 from gateway.sdk.agent import AgentWorker, Handler, Turn
 from gateway.sdk.demo_agent import handle as demo_handle
@@ -250,6 +251,58 @@ async def test_a_failing_handler_ends_the_turn_with_reason_error(
         assert again[-1]["data"]["reason"] == "error"
     assert worker.stats["failed"] == 2 and worker.stats["handled"] == 2
     assert await pending(redis_url, group) == 0  # acknowledged although it raised
+
+
+async def test_turn_publishes_refuse_data_messagepack_cannot_carry(
+    gateway: Any, redis_url: str, group: str, user: str, chat_id: str
+) -> None:
+    """A worker publishes straight to Redis, past the HTTP route: an integer past 64 bits in
+    an event's data was stored, then sent to JSON subscribers only (the MessagePack frame
+    cannot hold it). Every Turn call refuses it now, ``Rejected("unprocessable")`` naming
+    ``$.data``, before anything is sent or stored, and the turn goes on."""
+    big = 123456789012345678901234567890
+    edges = {"max": 2**64 - 1, "min": -(2**63)}  # the last integers both formats carry
+    refused: list[tuple[str, str] | None] = []
+
+    async def handler(turn: Turn) -> None:
+        attempts: list[Callable[[], Awaitable[Any]]] = [
+            lambda: turn.event("note", {"n": big}),
+            lambda: turn.event("note", {"deep": [{"n": -big}]}, durable=False),
+            lambda: turn.message("hi", n=2**64),
+            lambda: turn.tool_call("search", {"q": [-(2**63) - 1]}),
+            lambda: turn.tool_result("call_1", {"hits": big}),
+            lambda: turn.event("goal_state", {"active": True, "updated_at": 2**64}),
+        ]
+        for attempt in attempts:
+            try:
+                await attempt()
+            except Rejected as exc:
+                refused.append((exc.code, exc.message))
+            else:
+                refused.append(None)
+        await turn.message("fine", edges=edges)
+
+    async with agent_worker(redis_url, handler, group) as worker, \
+            connect(gateway.url(user)) as js, connect(gateway.url(user), binary=True) as mp:
+        for ws in (js, mp):
+            await ws.subscribe(chat_id)
+        await send_message(js, chat_id, "big numbers")
+        for ws in (js, mp):
+            sent = [(f["type"], f["data"]) for f in await until_turn_end(ws, chat_id)
+                    if f["type"] in ("note", "message", "tool_call", "tool_result",
+                                     "goal_state", "turn_end")]
+            assert [t for t, _ in sent] == ["message", "turn_end"], sent
+            assert sent[0][1] == {"text": "fine", "edges": edges}, sent
+            assert sent[1][1]["goal_state"] is None, sent
+    assert worker.stats["failed"] == 0 and worker.stats["handled"] == 1
+    assert len(refused) == 6, refused
+    for why in refused:
+        assert why is not None and why[0] == "unprocessable", refused
+        assert "`$.data`" in why[1] and "2**64" in why[1], refused
+    stored = [e for e in await history(gateway, user, chat_id) if e["type"] != "head"]
+    assert [e["type"] for e in stored] == ["user_message", "turn_start", "message",
+                                           "turn_end"], stored
+    assert stored[2]["data"] == {"text": "fine", "edges": edges}
 
 
 # --- crashes and takeover -----------------------------------------------------------------------

@@ -7,6 +7,8 @@ Redis-compatible server.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import uuid
 from typing import Any
 
@@ -331,6 +333,47 @@ async def test_http_publish_refuses_data_messagepack_cannot_carry(
         page = (await http.get(url + "?after=0", headers=owner)).json()
         assert page["last_seq"] == 3 and [e["data"] for e in page["events"]] == [
             {"n": 1}, {"ok": 1}, edges]
+
+
+async def test_cli_publish_refuses_data_messagepack_cannot_carry(
+    gateway: Any, redis_url: str, user: str, chat_id: str, tmp_path: Any
+) -> None:
+    """``gateway publish`` writes straight to Redis, past the HTTP route, and stored such
+    data. Refused now where every publisher's events pass (events.to_out_event): exit status
+    1 and the refusal on stderr, nothing stored or sent; the next good publish goes out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env.update(GATEWAY_REDIS_URL=redis_url, GATEWAY_DATA_DIR=str(tmp_path))
+
+    async def cli(*args: str) -> tuple[int | None, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "publish", chat_id, *args, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        return proc.returncode, out.decode(), err.decode()
+
+    big = 123456789012345678901234567890
+    async with connect(gateway.url(user), binary=True) as mp, connect(gateway.url(user)) as js:
+        for ws in (mp, js):
+            await ws.subscribe(chat_id)  # creates it
+        for args in (("note", f'{{"n": {big}}}'),
+                     ("note", f'{{"deep": [{{"n": {-big}}}]}}', "--ephemeral"),
+                     ("turn_end", f'{{"reason": "complete", "n": {2**64}}}')):
+            status, out, err = await cli(*args)
+            assert status == 1 and not out, (args, status, out, err)
+            assert err.startswith("gateway publish: unprocessable: "), err
+            assert "`$.data`" in err and "2**64" in err and "Traceback" not in err, err
+
+        edges = {"max": 2**64 - 1, "min": -(2**63)}  # the last integers both formats carry
+        status, out, err = await cli("note", msgspec.json.encode({"edges": edges}).decode())
+        assert status == 0 and msgspec.json.decode(out)["seqs"] == [1], (status, out, err)
+        # Nothing was sent before it: both subscribers' next frame is that, MessagePack's too.
+        for ws in (mp, js):
+            frame = await ws.recv()
+            assert (frame["type"], frame["seq"], frame["data"]) == ("note", 1, {"edges": edges})
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        page = (await http.get(f"/v1/conversations/{chat_id}/events?after=0",
+                               headers=gateway.headers(user))).json()
+    assert page["last_seq"] == 1 and [e["data"] for e in page["events"]] == [{"edges": edges}]
 
 
 async def test_http_path_and_query_validation(gateway: Any, user: str, chat_id: str) -> None:

@@ -157,20 +157,25 @@ class Turn:
                     *, key: str | None = None) -> Published:
         """Publish one event. Durable events are deduplicated per turn (see module doc);
         ``key`` replaces the derived per-turn suffix when the handler has a better one.
-        Streamed pieces still waiting for their window go out first."""
+        Streamed pieces still waiting for their window go out first.
+
+        Raises :class:`Rejected` when refused; for the event itself before anything is
+        sent: ``invalid_request`` (a field of the wrong type), ``reserved_type``, or
+        ``unprocessable`` (``data`` that both wire formats cannot carry: an integer outside
+        -2**63 .. 2**64 - 1)."""
         try:
             event = msgspec.convert({"type": type, "data": data or {}, "durable": durable,
                                      "attempt": self.attempt},
                                     PublishEvent)
         except msgspec.ValidationError as exc:
             raise Rejected("invalid_request", f"{type}: {exc}") from None
+        out = to_out_event(event)  # refused here: no key taken, nothing flushed or stored
         idem = None
         if durable:
             idem = f"agent:{self.turn_id}:{key}" if key is not None else self._key(type)
         await self.flush()
         async with self._publishing:
-            return await self.store.publish(self.chat_id, [to_out_event(event)],
-                                            idempotency_key=idem)
+            return await self.store.publish(self.chat_id, [out], idempotency_key=idem)
 
     async def delta(self, text: str) -> None:
         """A piece of the answer as it streams (``delta``, resumable while the turn runs)."""
