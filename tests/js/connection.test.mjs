@@ -6,7 +6,7 @@ import { test } from "node:test";
 import {
   backoffDelay, GatewayError, TERMINAL_CLOSE_CODES,
 } from "../../gateway/static/gateway-client.js";
-import { FakeGateway, makeClient, roundTrip, setup, sleep, until } from "./fake-server.mjs";
+import { FakeGateway, makeClient, roundTrip, setup, until } from "./fake-server.mjs";
 
 /** Record the client's "closed" events; resolve `next()` with the next one. */
 function closes(client) {
@@ -51,11 +51,15 @@ test("terminal close codes stop the client; 4011 gets a fresh token", async (t) 
   for (const code of [4001, 4003, 4004]) {
     assert.ok(TERMINAL_CLOSE_CODES.has(code), "terminal " + code);
     const before = server.connections.length;
+    const seen = states.length;
     server.latest.drop(code, "no");
     assert.deepEqual(await closed.next(), { code, reason: "no", terminal: true });
     assert.equal(client.state, "closed", "closed after " + code);
-    assert.deepEqual(states.at(-1), { state: "closed", attempt: 0, code, reason: "no", terminal: true });
-    await sleep(60);
+    // The client decides while it handles the close: a retry is scheduled through
+    // "reconnecting", on its one retry timer; an attempt starts with "connecting". None of it.
+    assert.deepEqual(states.slice(seen), [{ state: "closed", attempt: 0, code, reason: "no", terminal: true }],
+      "no reconnect after " + code);
+    assert.equal(client._timer, undefined, "no retry timer after " + code);
     assert.equal(server.connections.length, before, "no reconnect after " + code);
     client.connect();
     await server.accept(client, before + 1);
@@ -127,23 +131,39 @@ test("a socket that answers pings is kept, and anything received counts as an an
   // (A pongTimeout well above the heartbeat's 100 ms tick: a loaded machine must not fail it.)
   const { server, client } = await setup(t, { idlePing: 100, pongTimeout: 300 });
   const closed = closes(client);
+  /** The client's n-th ping on `conn`; fails at once if the client dropped the socket first. */
+  const nthPing = async (conn, n) => {
+    await until(() => conn.of("ping").length >= n || closed.seen.length > 0, `${conn.id}: ping #${n}`);
+    assert.deepEqual(closed.seen, [], `kept until ping #${n}`);
+    return conn.of("ping")[n - 1];
+  };
   client.connect();
   const conn = await server.accept(client, 1);
-  await sleep(700);
-  assert.ok(conn.of("ping").length >= 2, "pinged when idle: " + conn.of("ping").length);
-  assert.equal(closed.seen.length, 0, "kept");
+  // Pinged when idle. The heartbeat sends no ping while one is unanswered (it drops the
+  // socket instead): a second ping on the same socket means the pong answered the first.
+  await nthPing(conn, 1);
+  await nthPing(conn, 2);
   assert.equal(client.connected, true);
 
+  // Any frame is an answer too: the gateway stops answering pings (the 2nd was answered on
+  // arrival) and answers the 3rd with a feed frame instead.
   conn.answerPings = false;
-  // Other frames keep it alive too: a feed frame every 50 ms.
-  const feed = setInterval(() => conn.push({
+  /** What the heartbeat consults, as the client handled each feed frame. */
+  const heard = [];
+  client.on("conversation", () => heard.push({ pingSent: client._pingSent, lastRx: client._lastRx }));
+  await nthPing(conn, 3);
+  const answered = Date.now();
+  conn.push({
     type: "conversation", chat_id: "c1", title: null, status: "idle", updated_at: 1, last_seq: 0,
     goal_state: null, preview: null, created: false, deleted: false,
-  }), 50);
-  await sleep(600);
-  clearInterval(feed);
-  assert.equal(closed.seen.length, 0, "kept while frames arrive");
+  });
+  await until(() => heard.length === 1, "the feed frame handled");
+  assert.equal(heard[0].pingSent, 0, "the feed frame answered the ping");
+  assert.ok(heard[0].lastRx >= answered, "the feed frame counts as traffic: the idle time starts over");
+  await nthPing(conn, 4); // kept: the heartbeat pings again when idle, rather than dropping it
+  // Nothing answers the 4th: the watchdog drops the socket.
   assert.deepEqual(await closed.next("the watchdog"), { code: 1006, reason: "no answer to ping", terminal: false });
+  assert.equal(conn.of("ping").length, 4, "no ping after the unanswered one");
 });
 
 test("no hello within connectTimeout: the attempt fails and the client retries", async (t) => {
@@ -215,13 +235,17 @@ test("close() stops for good (queued messages stay queued) until connect()", asy
   client.on("state", (s) => states.push(s.state));
   client.connect();
   const conn = await server.accept(client, 1);
+  const ws = client._ws; // the client's socket, read only: to wait for its close event
   client.close();
   assert.equal(client.state, "closed");
   assert.equal(states.at(-1), "closed");
-  await until(() => conn.closed, "the socket closed");
+  await until(() => conn.closed && ws.readyState === ws.CLOSED, "the socket closed, at both ends");
   client.sendMessage("c1", "later");
   assert.equal(client.outboxSize, 1);
-  await sleep(50);
+  // The socket's close event has been dispatched; a retry is scheduled through
+  // "reconnecting", on the one retry timer; an attempt starts with "connecting". None of it.
+  assert.deepEqual(states, ["connecting", "open", "closed"], "no reconnect after close()");
+  assert.equal(client._timer, undefined, "no retry timer after close()");
   assert.equal(server.connections.length, 1, "no reconnect after close()");
   client.connect();
   const conn2 = await server.accept(client, 2);
@@ -243,11 +267,15 @@ test("offline drops the socket at once; online reconnects at once", async (t) =>
     }
   });
   // A backoff far longer than the test: only the online event can bring it back in time.
-  const { server, client } = await setup(t, { initialDelay: 60_000, maxDelay: 60_000 });
+  const { server, client } = await setup(t, { initialDelay: 60_000, maxDelay: 60_000, random: () => 0.5 });
   const events = [];
+  const waits = []; // the delay of each retry the client scheduled
   client.on("offline", () => events.push("offline"));
   client.on("online", () => events.push("online"));
-  client.on("state", (s) => events.push(s.state));
+  client.on("state", (s) => {
+    events.push(s.state);
+    if (s.state === "reconnecting") waits.push(s.delay);
+  });
   client.connect();
   let conn = await server.accept(client, 1);
 
@@ -258,12 +286,16 @@ test("offline drops the socket at once; online reconnects at once", async (t) =>
   events.length = 0;
   globalThis.dispatchEvent(new Event("offline"));
   assert.deepEqual(events, ["offline", "reconnecting"], "dropped at once");
+  // Waiting for the network: the one retry scheduled is the backoff's (random 0.5 of 60 s),
+  // not the at-once retry (0.5 of reconnectJitter) after an open socket went.
+  assert.deepEqual(waits, [30_000], "waiting for the network");
   await until(() => conn.closed, "the socket closed");
-  await sleep(50);
   assert.equal(server.connections.length, 1, "waiting for the network");
   globalThis.dispatchEvent(new Event("online"));
   conn = await server.accept(client, 2);
+  // No attempt before the online event: every attempt starts with "connecting".
   assert.deepEqual(events, ["offline", "reconnecting", "online", "connecting", "open"]);
+  assert.deepEqual(waits, [30_000], "online: no wait");
 
   client.close();
   events.length = 0;

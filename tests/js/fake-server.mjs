@@ -10,13 +10,15 @@ import { WebSocket, WebSocketServer } from "ws";
 
 import { GatewayClient, JSON_SUBPROTOCOL } from "../../gateway/static/gateway-client.js";
 
-export { sleep };
-
-/** Poll `cond` every 2 ms until it holds; fail after `ms` naming what was awaited. */
+/**
+ * Wait until `cond()` holds: checked now, then every 2 ms; throws naming `what` when it still
+ * does not hold after `ms`. The tests' one polling primitive: they wait for an event or a
+ * state with it (or for a promise, with a timeout), never for a fixed time.
+ */
 export async function until(cond, what, ms = 5000) {
   const end = Date.now() + ms;
   while (!cond()) {
-    if (Date.now() > end) throw new Error("timed out waiting for: " + what);
+    if (Date.now() > end) throw new Error(`timed out after ${ms} ms waiting for: ${what}`);
     await sleep(2);
   }
 }

@@ -5,7 +5,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import { GatewayError } from "../../gateway/static/gateway-client.js";
-import { roundTrip, setup, sleep, until } from "./fake-server.mjs";
+import { roundTrip, setup, until } from "./fake-server.mjs";
 
 test("each socket opens with a fresh ticket; the token is in no URL", async (t) => {
   let n = 0;
