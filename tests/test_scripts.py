@@ -103,9 +103,10 @@ async def test_a_plain_event_alone_leaves_what_it_leaves_in_a_batch(
     client = aioredis.from_url(redis_url)
     typing = OutEvent(type="typing", data=b"{}", durable=False)  # makes a batch, stores nothing
 
-    async def run(chat: str, events: list[OutEvent], owner: str = "", writer: str = "") -> Any:
+    async def run(chat: str, events: list[OutEvent], owner: str = "", writer: str = "",
+                  key: str | None = None) -> Any:
         script, keys, args = publish.call(chat, events, fresh="e1", create_owner=owner,
-                                          writer=writer, idempotency_key=None)
+                                          writer=writer, idempotency_key=key)
         return publish.decode(await client.eval(script.source, len(keys), *keys, *args))  # type: ignore[misc]
 
     async def stored(chat: str) -> list[tuple[dict[str, Any], bytes]]:
@@ -123,24 +124,31 @@ async def test_a_plain_event_alone_leaves_what_it_leaves_in_a_batch(
         for chat in (alone, batched):
             await run(chat, [OutEvent(type="note", data=b'{"first":1}')], owner="alice")
         note = OutEvent(type="tool_call", data=b'{"name":"search","args":{"q":"x"}}')
-        for running in (False, True):
-            if running:
+        def fields(r: Any) -> tuple[Any, ...]:
+            return (r.epoch, r.last_seq, r.owner, r.head, r.duplicate, r.listed, r.created,
+                    r.turn_id)
+
+        for running, key in ((False, None), (True, None), (True, "k1")):
+            if running and key is None:
                 for chat in (alone, batched):
                     await run(chat, [OutEvent(type="turn_start", data=b"{}", turn_id="t1")])
             await client.hset(meta_key(alone), "updated_at", "0")  # to see it move
-            one = await run(alone, [note], writer="alice")
-            two = await run(batched, [note, typing], writer="alice")
-            assert (one.epoch, one.last_seq, one.owner, one.head, one.duplicate, one.listed,
-                    one.created, one.turn_id) == (
-                    two.epoch, two.last_seq, two.owner, two.head, two.duplicate, two.listed,
-                    two.created, two.turn_id)
+            one = await run(alone, [note], writer="alice", key=key)
+            two = await run(batched, [note, typing], writer="alice", key=key)
+            assert fields(one) == fields(two)
             assert one.seqs == two.seqs[:1] and two.seqs[1:] == [None]
+            if key is not None:  # replayed: the first result, nothing written
+                again = [await run(alone, [note], writer="alice", key=key),
+                         await run(batched, [note, typing], writer="alice", key=key)]
+                assert [fields(r) for r in again] == [
+                    fields(r)[:4] + (True, False, False, None) for r in (one, two)]
+                assert again[0].seqs == one.seqs and again[1].seqs == two.seqs
         assert await stored(alone) == await stored(batched)
         last, node = (await stored(alone))[-1]
         assert last["type"] == "tool_call" and last["node"] == "t1" and node == b"t1"
         meta = [await client.hmget(meta_key(chat), "seq", "status", "turn_id", "head", "owner")
                 for chat in (alone, batched)]
-        assert meta[0] == meta[1] and meta[0][:3] == [b"5", b"running", b"t1"]
+        assert meta[0] == meta[1] and meta[0][:3] == [b"6", b"running", b"t1"]
         assert meta[0][4] == b"alice"
         [(_, fields)] = await client.xrevrange(log_key(alone), count=1)
         ts = msgspec.json.decode(fields[b"f"])["ts"]  # the list's order: updated with it

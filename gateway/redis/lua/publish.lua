@@ -70,8 +70,9 @@
 -- and "feed" when a refused late turn_end's usage was counted}. The feed lives in the owner's slot: the store
 -- publishes it after the script. Every durable event is stored as entry "<seq>-0".
 --
--- One plain durable event (not a type named above, not streamed) with no operation and no
--- idempotency key takes a short path first: the same effects and reply for less Lua.
+-- One plain durable event (not a type named above, not streamed) with no operation, and
+-- an idempotency key not seen yet if any, takes a short path first: the same effects and
+-- reply for less Lua.
 
 local meta, log = KEYS[1], KEYS[2]
 local channel, chat = ARGV[1], ARGV[6]
@@ -138,11 +139,13 @@ local TURN_LEVEL = {user_message = true, turn_start = true, turn_end = true,
                     cancel_requested = true}
 
 -- The hot path: one plain durable event (a note, a tool call, a status) in a conversation
--- that exists, with no tree operation and no idempotency key. It has the effects and the
--- reply the general path below would have, reading only the five fields it needs.
-if n == 1 and op == '' and not idem and ARGV[base + 1] == '1' then
+-- that exists, with no tree operation, and a new idempotency key if any (the worker SDK
+-- sends one with each). It has the effects and the reply the general path below would
+-- have, reading only the five fields it needs; a key seen before is the general path's.
+if n == 1 and op == '' and ARGV[base + 1] == '1' then
   local typ = ARGV[base]
-  if not (CONVERSATION_LEVEL[typ] or TURN_LEVEL[typ] or text_key[typ] or streamed_type[typ]) then
+  if not (CONVERSATION_LEVEL[typ] or TURN_LEVEL[typ] or text_key[typ] or streamed_type[typ])
+      and not (idem and redis.call('EXISTS', idem) == 1) then
     local f = redis.call('HMGET', meta, 'epoch', 'owner', 'seq', 'turn_id', 'head')
     local epoch, owner, head = f[1], f[2], f[5] or ''
     if epoch and (ARGV[8] == '' or ARGV[8] == owner) then
@@ -152,9 +155,11 @@ if n == 1 and op == '' and not idem and ARGV[base + 1] == '1' then
       trim(at, head)
       redis.call('HSET', meta, 'seq', seq, 'updated_at', now_text)
       -- written out: cjson.encode of the reply's table costs as much as the append
-      return '{"epoch":' .. cjson.encode(epoch) .. ',"seqs":[' .. seq .. '],"last_seq":' ..
-        seq .. ',"owner":' .. cjson.encode(owner) .. ',"duplicate":false,"ts":' ..
-        now_text .. ',"head":' .. cjson.encode(head) .. '}'
+      local reply = '{"epoch":' .. cjson.encode(epoch) .. ',"seqs":[' .. seq ..
+        '],"last_seq":' .. seq .. ',"owner":' .. cjson.encode(owner) ..
+        ',"duplicate":false,"ts":' .. now_text .. ',"head":' .. cjson.encode(head) .. '}'
+      if idem then redis.call('SET', idem, reply, 'EX', ARGV[3]) end
+      return reply
     end
   end
 end
