@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from gateway.config import Settings
 from gateway.errors import Rejected
 from gateway.redis.envelope import Envelope, unpack
-from gateway.redis.keys import log_key, meta_key
+from gateway.redis.keys import log_key, meta_key, room_channel
 from gateway.redis.records import OutEvent
 from gateway.redis.scripts import Call, PublishScript, ReadScript
 
@@ -161,3 +161,88 @@ async def test_a_plain_event_alone_leaves_what_it_leaves_in_a_batch(
         assert missing.value.code == "not_found"
     finally:
         await client.aclose()
+
+
+async def test_a_delta_alone_leaves_what_it_leaves_in_a_batch(
+        redis_url: str, chat_id: str) -> None:
+    """A delta that goes on with its open stream takes a short path of its own in
+    ``publish.lua``; it must append, publish, move the stream and answer as the general path
+    (a batch of two) does, and leave opening, another attempt and the size bound to it."""
+    settings = Settings(redis_url=redis_url, stream_max_bytes=40)
+    publish = PublishScript(settings)
+    client = aioredis.from_url(redis_url)
+    alone, batched = chat_id + "-alone", chat_id + "-batched"
+    typing = OutEvent(type="typing", data=b"{}", durable=False)  # makes a batch, stores nothing
+    pubsub = client.pubsub()
+    await pubsub.ssubscribe(room_channel(alone), room_channel(batched))
+
+    async def run(chat: str, events: list[OutEvent], owner: str = "") -> Any:
+        script, keys, args = publish.call(chat, events, fresh="e1", create_owner=owner,
+                                          writer="alice" if not owner else "",
+                                          idempotency_key=None)
+        return publish.decode(await client.eval(script.source, len(keys), *keys, *args))  # type: ignore[misc]
+
+    async def both(event: OutEvent) -> tuple[Any, Any]:
+        one = await run(alone, [event])
+        two = await run(batched, [event, typing])
+        assert (one.epoch, one.last_seq, one.owner, one.head, one.duplicate, one.listed,
+                one.turn_id) == (two.epoch, two.last_seq, two.owner, two.head, two.duplicate,
+                                 two.listed, two.turn_id)
+        assert one.seqs == [None] and two.seqs == [None, None]
+        return one, two
+
+    def delta(text: str, attempt: str = "a1") -> OutEvent:
+        return OutEvent(type="delta", data=msgspec.json.encode({"text": text}), durable=False,
+                        attempt=attempt)
+
+    try:
+        for chat in (alone, batched):
+            await run(chat, [OutEvent(type="note", data=b"{}")], owner="alice")
+            await run(chat, [OutEvent(type="turn_start", data=b"{}", turn_id="t1")])
+        for text in ("Hel", "lo, ", "world"):  # opens the stream, then goes on with it
+            await both(delta(text))
+        await both(delta("again", attempt="a2"))  # another attempt: the old one discarded
+        await both(delta(" and on", attempt="a2"))
+        for text in ("x" * 40, "y"):  # past the bound: refused, and every later delta too
+            for chat, events in ((alone, [delta(text, "a2")]),
+                                 (batched, [delta(text, "a2"), typing])):
+                with pytest.raises(Rejected) as refused:
+                    await run(chat, events)
+                assert refused.value.code == "stream_too_large"
+        for chat in (alone, batched):  # the stream ends as the same partial message
+            await run(chat, [OutEvent(type="turn_end", data=b'{"reason":"complete"}')])
+        published: dict[str, list[dict[str, Any]]] = {alone: [], batched: []}
+        while (message := await pubsub.get_message(timeout=1.0)) is not None:
+            if message["type"] != "smessage":
+                continue
+            frame = msgspec.json.decode(unpack(message["data"]).frame)
+            if frame["type"] != "typing":
+                chat = frame.pop("chat_id")
+                frame.pop("ts")
+                for moment in ("latency_ms", "started_at"):
+                    frame["data"].pop(moment, None)
+                published[chat].append(frame)
+        assert published[alone] == published[batched]
+        types = [f["type"] for f in published[alone]]
+        assert types.count("delta") == 5 and "stream_discarded" in types, types
+        pieces = [(f["stream"]["pos"], f["data"]["text"]) for f in published[alone]
+                  if f["type"] == "delta"]
+        assert pieces == [(0, "Hel"), (1, "lo, "), (2, "world"), (0, "again"), (1, " and on")]
+        assert [f["data"]["text"] for f in published[alone] if f["type"] == "message"] == [
+            "again and on"]
+        assert await stored(client, alone) == await stored(client, batched)
+    finally:
+        await pubsub.aclose()
+        await client.aclose()
+
+
+async def stored(client: aioredis.Redis, chat: str) -> list[tuple[dict[str, Any], bytes]]:
+    """The log of ``chat``, without what differs between conversations (id, times)."""
+    frames = []
+    for _, fields in await client.xrange(log_key(chat)):
+        frame = msgspec.json.decode(fields[b"f"])
+        assert frame.pop("chat_id") == chat and isinstance(frame.pop("ts"), int)
+        frame["data"].pop("started_at", None)
+        frame["data"].pop("latency_ms", None)
+        frames.append((frame, fields[b"n"]))
+    return frames

@@ -41,11 +41,14 @@ end
 -- The open stream of a streamed type: meta field "st:<type>" holds its header,
 -- "<id> <turn id> <next pos> <attempt>", and its text lives in its own key. Returns
 -- {id, turn, pos, attempt}, or nil when none is open. The one parser of the header.
-local function open_stream(m, typ)
-  local header = m['st:' .. typ]
+local function parse_stream(header)
   if not header or header == '' then return nil end
   local id, turn, pos, attempt = string.match(header, '^(%S+) (%S*) (%d+) (%S*)$')
   return {id = id, turn = turn, pos = tonumber(pos), attempt = attempt}
+end
+
+local function open_stream(m, typ)
+  return parse_stream(m['st:' .. typ])
 end
 
 local function stream_header(s)

@@ -70,9 +70,9 @@
 -- and "feed" when a refused late turn_end's usage was counted}. The feed lives in the owner's slot: the store
 -- publishes it after the script. Every durable event is stored as entry "<seq>-0".
 --
--- One plain durable event (not a type named above, not streamed) with no operation, and
--- an idempotency key not seen yet if any, takes a short path first: the same effects and
--- reply for less Lua.
+-- Two short paths come first, with the same effects and reply for less Lua: one plain
+-- durable event (not a type named above, not streamed) with no operation, and an
+-- idempotency key not seen yet if any; and one delta that goes on with its open stream.
 
 local meta, log = KEYS[1], KEYS[2]
 local channel, chat = ARGV[1], ARGV[6]
@@ -131,6 +131,23 @@ local function trim(seq, head)
   redis.call('ZREMRANGEBYSCORE', starts, '-inf', '(' .. cut)
 end
 
+-- The text a streamed delta carries ("" when it has none).
+local function delta_text(data)
+  local ok, decoded = pcall(cjson.decode, data)
+  if ok and type(decoded) == 'table' and type(decoded.text) == 'string' then
+    return decoded.text
+  end
+  return ''
+end
+
+-- A piece of a streamed answer (ephemeral, no seq): its stream's id and its position in it.
+local function publish_piece(typ, stream_id, pos, data)
+  local frame = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat) ..
+    ',"seq":null,"ts":' .. now_text .. ',"stream":{"id":' .. cjson.encode(stream_id) ..
+    ',"pos":' .. pos .. '},"data":' .. data .. '}'
+  redis.call('SPUBLISH', channel, envelope(nil, nil, stream_id, pos, frame))
+end
+
 -- The types this script completes: the conversation's own (stored with node "") and the
 -- turn's. Every other durable type that is not streamed is plain: its node is the running
 -- turn's (node_of).
@@ -160,6 +177,30 @@ if n == 1 and op == '' and ARGV[base + 1] == '1' then
         ',"duplicate":false,"ts":' .. now_text .. ',"head":' .. cjson.encode(head) .. '}'
       if idem then redis.call('SET', idem, reply, 'EX', ARGV[3]) end
       return reply
+    end
+  end
+end
+
+-- The hot path of an answer being written: one delta that goes on with its type's open
+-- stream (the running turn's, the same attempt, with room left). Opening a stream,
+-- discarding another attempt's and refusing one for size are the general path's.
+if n == 1 and op == '' and ARGV[base + 1] == '0' and text_key[ARGV[base]] then
+  local typ, data = ARGV[base], ARGV[base + 2]
+  local f = redis.call('HMGET', meta, 'epoch', 'owner', 'seq', 'status', 'turn_id', 'head',
+                       'st:' .. typ, 'full:' .. typ)
+  local epoch, owner = f[1], f[2]
+  local s = parse_stream(f[7])
+  if epoch and (ARGV[8] == '' or ARGV[8] == owner) and f[4] == 'running' and not f[8]
+      and s and s.turn == f[5] and s.attempt == ARGV[base + 3] then
+    local text = delta_text(data)
+    if redis.call('STRLEN', text_key[typ]) + #text <= max_text then
+      redis.call('APPEND', text_key[typ], text)
+      publish_piece(typ, s.id, s.pos, data)
+      s.pos = s.pos + 1
+      redis.call('HSET', meta, 'st:' .. typ, stream_header(s))
+      return '{"epoch":' .. cjson.encode(epoch) .. ',"seqs":[null],"last_seq":' .. f[3] ..
+        ',"owner":' .. cjson.encode(owner) .. ',"duplicate":false,"ts":' .. now_text ..
+        ',"head":' .. cjson.encode(f[6] or '') .. '}'
     end
   end
 end
@@ -236,15 +277,6 @@ if idem then
     end
     return cjson.encode(r)
   end
-end
-
--- The text a streamed delta carries ("" when it has none).
-local function delta_text(data)
-  local ok, decoded = pcall(cjson.decode, data)
-  if ok and type(decoded) == 'table' and type(decoded.text) == 'string' then
-    return decoded.text
-  end
-  return ''
 end
 
 -- The usage a turn_end's data reports (a table, maybe empty). The gateway validated it.
@@ -402,14 +434,11 @@ local function emit(typ, durable, data, stream_part, node)
     append(typ, node or '', seq, data, m.epoch)
     return seq
   end
-  local head = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat)
-  local frame
   if stream_part then
-    frame = head .. ',"seq":null,"ts":' .. now .. ',"stream":{"id":' .. cjson.encode(stream_part[1]) ..
-            ',"pos":' .. stream_part[2] .. '},"data":' .. data .. '}'
-    redis.call('SPUBLISH', channel, envelope(nil, nil, stream_part[1], stream_part[2], frame))
+    publish_piece(typ, stream_part[1], stream_part[2], data)
   else
-    frame = head .. ',"seq":null,"ts":' .. now .. ',"data":' .. data .. '}'
+    local frame = '{"type":' .. cjson.encode(typ) .. ',"chat_id":' .. cjson.encode(chat) ..
+      ',"seq":null,"ts":' .. now_text .. ',"data":' .. data .. '}'
     redis.call('SPUBLISH', channel, envelope(nil, nil, nil, nil, frame))
   end
   return cjson.null
