@@ -759,7 +759,8 @@ async def openapi_json(request: Request) -> Response:
 @functools.cache
 def document() -> bytes:
     """The OpenAPI document, built once."""
-    return _encode(API.document(title="gateway", version=__version__, description=DESCRIPTION))
+    return _encode(API.document(title="gateway", version=__version__, description=DESCRIPTION,
+                                shared={p.JSON_VALUE: p.JSON_VALUE_SCHEMA}))
 
 
 # --- errors ---------------------------------------------------------------------------

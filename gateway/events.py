@@ -38,6 +38,8 @@ def _typed_data_schema() -> dict[str, Any]:
             then["required"] = ["data"]
         rules.append({"if": {"properties": {"type": {"const": kind}}, "required": ["type"]},
                       "then": then})
+    rules.append({"if": {"properties": {"type": {"not": {"enum": sorted(TYPED_DATA)}}}},
+                  "then": {"properties": {"data": p.CARRIED_DATA}}})
     return {"allOf": rules}
 
 
@@ -82,29 +84,31 @@ def clean_title(raw: str) -> str:
     return title
 
 
+def _check_carried(value: Any, index: int | None) -> None:
+    """Refuse what is to be stored if both wire formats cannot carry it."""
+    why = p.uncarried(_to_msgpack, value, "$.data" if index is None else f"$.events[{index}].data")
+    if why is not None:
+        raise Rejected("unprocessable", why)
+
+
 def to_out_event(event: PublishEvent, index: int | None = None) -> OutEvent:
     """Validate an agent event; complete the ones whose meaning the gateway owns.
 
     Every publisher's events pass here (the HTTP route, the CLI, the worker SDK), so this
     is where data that both wire formats cannot carry (an integer past 64 bits) is refused,
     ``unprocessable``, at ``$.data``, or ``$.events[index].data`` for the ``index``-th
-    event of a batch: one MessagePack encode of the data, which is dropped.
+    event of a batch: one MessagePack encode of what is stored (a typed event's struct).
     """
     kind = event.type
     if kind in p.GATEWAY_ONLY_TYPES:
         raise Rejected("reserved_type", f"event type {kind!r} is reserved for the gateway")
-    # The data as given, typed events' too (goal_state's updated_at is any integer, stored
-    # as is).
-    why = p.uncarried(_to_msgpack, event.data,
-                      "$.data" if index is None else f"$.events[{index}].data")
-    if why is not None:
-        raise Rejected("unprocessable", why)
     spec = TYPED_DATA.get(kind)
     if spec is not None:
         try:
             typed = msgspec.convert(event.data, spec)
         except msgspec.ValidationError as exc:
             raise Rejected("invalid_request", f"{kind}: {exc}") from None
+        _check_carried(typed, index)  # what is stored: its other fields are dropped
         if isinstance(typed, p.TurnEndData):
             body = _encode({"reason": typed.reason, "usage": typed.usage})
             return OutEvent(type=kind, data=body, turn_id=typed.turn_id or "")
@@ -115,6 +119,7 @@ def to_out_event(event: PublishEvent, index: int | None = None) -> OutEvent:
         assert isinstance(typed, p.TitleData)
         return OutEvent(type=kind, data=clean_title(typed.title).encode(),
                         title_source=typed.source)
+    _check_carried(event.data, index)
     # A streamed delta names its attempt, and so may its commit (`message` closing the
     # `delta` stream...); a commit without text takes the stream's text.
     return OutEvent(type=kind, data=_encode(event.data), durable=event.durable,

@@ -91,12 +91,15 @@ class Api:
         return [Route(path, _by_method(handlers), methods=list(handlers))
                 for path, handlers in by_path.items()]
 
-    def document(self, *, title: str, version: str, description: str) -> dict[str, Any]:
-        """The OpenAPI 3.1 document of every operation."""
+    def document(self, *, title: str, version: str, description: str,
+                 shared: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The OpenAPI 3.1 document of every operation. ``shared``: schemas the types'
+        own refer to by name (a recursive one, which msgspec cannot make)."""
         types: list[Any] = [ErrorBody, *self.path_params.values()]
         for op in self.operations:
             types += [t for t in (op.reply, op.body, op.query) if t is not None]
         refs, components = msgspec.json.schema_components(types, ref_template=REF)
+        components.update(shared or {})
         schema = dict(zip(types, refs, strict=True))
         for op in self.operations:  # query Structs become parameters, not components
             if op.query is not None:

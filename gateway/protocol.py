@@ -330,6 +330,24 @@ class Codec:
             return Envelope()
 
 
+# What a client's or an agent's data may hold, as the API document says it: any JSON, but
+# integers only where MessagePack has them too (uncarried checks it; recursive, so the
+# document defines it once, as the component JSON_VALUE).
+JSON_VALUE = "JsonValue"
+CARRIED_VALUE = {"$ref": f"#/components/schemas/{JSON_VALUE}"}
+CARRIED_DATA = {"type": "object", "additionalProperties": CARRIED_VALUE}
+JSON_VALUE_SCHEMA: dict[str, Any] = {
+    "description": "Any JSON value; a number only from -2^63 to 2^64 - 1 (both wire formats "
+                   "carry every integer in it; a float past it is taken too).",
+    "anyOf": [
+        {"type": ["string", "boolean", "null"]},
+        {"type": "number", "minimum": -(2**63), "maximum": 2**64 - 1},
+        {"type": "array", "items": CARRIED_VALUE},
+        {"type": "object", "additionalProperties": CARRIED_VALUE},
+    ],
+}
+
+
 def uncarried(other: Callable[[Any], bytes], data: Any, at: str) -> str | None:
     """Why ``data``, decoded from one wire format, cannot be encoded by ``other`` (the other
     format's encoder), naming where it is (``at``); None when it can.

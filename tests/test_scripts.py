@@ -141,7 +141,7 @@ async def test_a_plain_event_alone_leaves_what_it_leaves_in_a_batch(
                 again = [await run(alone, [note], writer="alice", key=key),
                          await run(batched, [note, typing], writer="alice", key=key)]
                 assert [fields(r) for r in again] == [
-                    fields(r)[:4] + (True, False, False, None) for r in (one, two)]
+                    (*fields(r)[:4], True, False, False, None) for r in (one, two)]
                 assert again[0].seqs == one.seqs and again[1].seqs == two.seqs
         assert await stored(alone) == await stored(batched)
         last, node = (await stored(alone))[-1]

@@ -307,7 +307,6 @@ async def test_http_publish_refuses_data_messagepack_cannot_carry(
         cases: list[tuple[Any, str]] = [
             ({"type": "note", "data": {"n": big}}, "$.data"),
             ({"type": "note", "data": {"deep": [{"n": -big}]}, "durable": False}, "$.data"),
-            ({"type": "turn_end", "data": {"reason": "complete", "n": 2**64}}, "$.data"),
             ({"events": [{"type": "note", "data": {"ok": 1}},
                          {"type": "note", "data": {"n": 2**64}}], "idempotency_key": key},
              "$.events[1].data"),
@@ -357,7 +356,7 @@ async def test_cli_publish_refuses_data_messagepack_cannot_carry(
             await ws.subscribe(chat_id)  # creates it
         for args in (("note", f'{{"n": {big}}}'),
                      ("note", f'{{"deep": [{{"n": {-big}}}]}}', "--ephemeral"),
-                     ("turn_end", f'{{"reason": "complete", "n": {2**64}}}')):
+                     ("tool_result", f'{{"hits": [{2**64}]}}')):
             status, out, err = await cli(*args)
             assert status == 1 and not out, (args, status, out, err)
             assert err.startswith("gateway publish: unprocessable: "), err
