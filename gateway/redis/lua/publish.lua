@@ -131,13 +131,18 @@ local function trim(seq, head)
   redis.call('ZREMRANGEBYSCORE', starts, '-inf', '(' .. cut)
 end
 
+-- Field ``name`` of an event's JSON data when it is of Lua type ``kind``, else nil.
+local function data_field(data, name, kind)
+  local ok, decoded = pcall(cjson.decode, data)
+  if ok and type(decoded) == 'table' and type(decoded[name]) == kind then
+    return decoded[name]
+  end
+  return nil
+end
+
 -- The text a streamed delta carries ("" when it has none).
 local function delta_text(data)
-  local ok, decoded = pcall(cjson.decode, data)
-  if ok and type(decoded) == 'table' and type(decoded.text) == 'string' then
-    return decoded.text
-  end
-  return ''
+  return data_field(data, 'text', 'string') or ''
 end
 
 -- A piece of a streamed answer (ephemeral, no seq): its stream's id and its position in it.
@@ -281,11 +286,7 @@ end
 
 -- The usage a turn_end's data reports (a table, maybe empty). The gateway validated it.
 local function usage_of(data)
-  local ok, decoded = pcall(cjson.decode, data)
-  if ok and type(decoded) == 'table' and type(decoded.usage) == 'table' then
-    return decoded.usage
-  end
-  return {}
+  return data_field(data, 'usage', 'table') or {}
 end
 
 -- A turn_end that comes after its turn ended (cancelled by a tree operation, or timed out)
