@@ -201,8 +201,7 @@ class Conversations:
         """Store an agent's ``events``, all or none (one refused refuses them all).
         ``in_batch``: they came as a request's ``events``, so a refusal names the event's
         index (``$.events[i].data``, else ``$.data``)."""
-        out = ([to_out_event(e, i) for i, e in enumerate(events)] if in_batch
-               else [to_out_event(e) for e in events])
+        out = [to_out_event(e, i if in_batch else None) for i, e in enumerate(events)]
         return await self.store.publish(
             chat_id, out, idempotency_key=f"p:{idempotency_key}" if idempotency_key else None,
             writer=who.writer(),

@@ -378,11 +378,8 @@ class Session:
         """One client message: rate limit, decode, handle; a backend failure closes."""
         try:
             ready = self._feed_ready
-            if ready is not None:
-                if ready.done():
-                    ready.result()  # raises if the feed could not be subscribed
-                else:
-                    await wait_shared(ready, CONFIRM_TIMEOUT)
+            if ready is not None:  # raises if the feed could not be subscribed
+                await wait_shared(ready, CONFIRM_TIMEOUT)
                 self._feed_ready = None
             if not self._admit():
                 return

@@ -106,8 +106,8 @@ def response_head(status: bytes, extra: bytes,
 def _refuse(transport: asyncio.Transport, status: bytes, default_headers: Any,
             extra: bytes = b"") -> None:
     transport.write(response_head(status, b"content-type: text/plain; charset=utf-8\r\n"
-                            b"content-length: 0\r\nconnection: close\r\n" + extra,
-                            default_headers))
+                                  b"content-length: 0\r\nconnection: close\r\n" + extra,
+                                  default_headers))
     transport.close()
 
 
