@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from importlib import resources
 from typing import Any
 
@@ -212,16 +213,22 @@ async def test_a_delta_alone_leaves_what_it_leaves_in_a_batch(
         for chat in (alone, batched):  # the stream ends as the same partial message
             await run(chat, [OutEvent(type="turn_end", data=b'{"reason":"complete"}')])
         published: dict[str, list[dict[str, Any]]] = {alone: [], batched: []}
-        while (message := await pubsub.get_message(timeout=1.0)) is not None:
-            if message["type"] != "smessage":
-                continue
-            frame = msgspec.json.decode(unpack(message["data"]).frame)
-            if frame["type"] != "typing":
-                chat = frame.pop("chat_id")
-                frame.pop("ts")
-                for moment in ("latency_ms", "started_at"):
-                    frame["data"].pop(moment, None)
-                published[chat].append(frame)
+
+        def ended(chat: str) -> bool:  # turn_end is the last frame each conversation sends
+            return bool(published[chat]) and published[chat][-1]["type"] == "turn_end"
+
+        async with asyncio.timeout(10):
+            while not (ended(alone) and ended(batched)):
+                message = await pubsub.get_message(timeout=None)
+                if message is None or message["type"] != "smessage":
+                    continue
+                frame = msgspec.json.decode(unpack(message["data"]).frame)
+                if frame["type"] != "typing":
+                    chat = frame.pop("chat_id")
+                    frame.pop("ts")
+                    for moment in ("latency_ms", "started_at"):
+                        frame["data"].pop(moment, None)
+                    published[chat].append(frame)
         assert published[alone] == published[batched]
         types = [f["type"] for f in published[alone]]
         assert types.count("delta") == 5 and "stream_discarded" in types, types
