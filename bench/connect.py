@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 import psutil
+from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,6 +45,22 @@ async def client(url: str, index: int, opened: list[object]) -> None:
     opened.append(ws)
 
 
+def stop_profile(spy: subprocess.Popen[bytes] | None) -> None:
+    if spy is not None and spy.poll() is None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on ^C
+        spy.wait()
+
+
+async def command_calls(redis_url: str) -> dict[str, int]:
+    """Calls per Redis command so far (``INFO commandstats``)."""
+    client = Redis.from_url(redis_url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
 async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="gateway-connect-"))
     redis = EmbeddedRedis(tmp / "redis", persistent=False)
@@ -62,6 +79,10 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.sleep(1)  # py-spy attaches
         rss0, cpu0 = server.memory_info().rss, sum(server.cpu_times()[:2])
         io0 = server.io_counters()
+        assert redis.process is not None
+        redis_proc = psutil.Process(redis.process.pid)
+        redis_cpu0 = sum(redis_proc.cpu_times()[:2])
+        commands0 = await command_calls(redis_url)
         urls = [f"ws://127.0.0.1:{port}/v1/ws?token="
                 + issue_token(secret, f"idle{i}", "service") for i in range(args.clients)]
         opened: list[object] = []
@@ -74,8 +95,11 @@ async def run(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(args.clients)))
         wall = time.perf_counter() - start
+        stop_profile(spy)  # the connect phase only, not the idle time or the closes
         cpu = sum(server.cpu_times()[:2]) - cpu0
         io = server.io_counters()
+        redis_cpu = sum(redis_proc.cpu_times()[:2]) - redis_cpu0
+        commands = await command_calls(redis_url)
         await asyncio.sleep(2)  # let the server settle before reading RSS
         rss = server.memory_info().rss - rss0
         cpu_idle0 = sum(server.cpu_times()[:2])
@@ -87,11 +111,13 @@ async def run(args: argparse.Namespace) -> None:
               f"idle CPU {idle_pct:.1f} %; system calls per connection: "
               f"{(io.read_count - io0.read_count) / n:.1f} reads, "
               f"{(io.write_count - io0.write_count) / n:.1f} writes")
+        print(f"Redis CPU {redis_cpu * 1e6 / n:.0f} us/connection; commands per connection: "
+              + ", ".join(f"{name} {(calls - commands0.get(name, 0)) / n:.2f}"
+                          for name, calls in sorted(commands.items())
+                          if calls > commands0.get(name, 0) and name not in ("info", "client")))
         await asyncio.gather(*(ws.close() for ws in opened))  # type: ignore[attr-defined]
     finally:
-        if spy is not None:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its file on ^C
-            spy.wait()
+        stop_profile(spy)
         stop_gateway(proc)
         redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)
