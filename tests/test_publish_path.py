@@ -198,18 +198,32 @@ async def test_idempotent_retries_in_one_burst_append_once(
 async def test_a_burst_after_the_script_cache_was_flushed_succeeds(
     gateway: Any, redis_url: str, user: str, chat_id: str
 ) -> None:
+    """Every publish of the burst is stored, and the script's source goes to the server
+    once (``SCRIPT LOAD``), not with each of the calls it refused."""
     epoch = (await create(gateway, user, chat_id))["epoch"]
     redis = aioredis.from_url(redis_url)
     try:
         await redis.script_flush()  # e.g. a restarted or failed-over server
+        before = await _calls(redis, "script|load", "eval")
+        jobs = [Job(chat_id, {"type": "note", "data": {"i": i}}) for i in range(60)]
+        await fire(gateway, jobs)
+        loads, evals = (after - was for after, was in zip(
+            await _calls(redis, "script|load", "eval"), before, strict=True))
     finally:
         await redis.aclose()
-    jobs = [Job(chat_id, {"type": "note", "data": {"i": i}}) for i in range(60)]
-    await fire(gateway, jobs)
     for job in jobs:
         check_reply(job, epoch)
     seqs = sorted(s for job in jobs for s in job.resp.json()["seqs"])  # type: ignore[union-attr]
     assert seqs == list(range(1, 61))
+    # Batches already on the wire when the first refusal came back share its load, or
+    # load again: a few loads at most, and no call sent with its source.
+    assert 1 <= loads <= 3 and evals == 0, (loads, evals)
+
+
+async def _calls(redis: aioredis.Redis, *commands: str) -> list[int]:
+    """Calls of each command so far, by ``INFO commandstats``."""
+    stats = await redis.info("commandstats")
+    return [int(stats.get(f"cmdstat_{command}", {}).get("calls", 0)) for command in commands]
 
 
 # --- the token cache ---------------------------------------------------------------------

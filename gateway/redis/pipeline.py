@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import Coroutine
 from functools import partial
 from typing import Any
@@ -47,6 +48,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .backend import Backend, Node
 from .counters import REDIS
 
+log = logging.getLogger("gateway.pipeline")
 MAX_REDIRECTS = 5  # per command: a slot that keeps moving is a cluster in trouble
 
 
@@ -61,7 +63,7 @@ class Script:
 
 
 class _Call:
-    __slots__ = ("args", "durable", "future", "redirects", "script")
+    __slots__ = ("args", "durable", "future", "redirects", "reloaded", "script")
 
     def __init__(self, args: tuple[Any, ...], script: Script | None, durable: bool,
                  future: asyncio.Future[Any]) -> None:
@@ -70,6 +72,7 @@ class _Call:
         self.durable = durable
         self.future = future
         self.redirects = 0
+        self.reloaded = False  # sent again after its script was loaded (NOSCRIPT once)
 
     @property
     def key(self) -> Any:
@@ -84,6 +87,7 @@ class AutoPipeline:
         self._queued: list[_Call] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._loading: dict[tuple[Node, str], asyncio.Future[bool]] = {}
         # Python 3.11's get_running_loop() makes a getpid() system call every time, on the
         # hottest line of the gateway: look the loop up once per batch, not once per call.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -199,10 +203,23 @@ class AutoPipeline:
             await self._backend.refresh()  # the node may have failed over
 
     async def _retry(self, node: Node, retry: list[tuple[_Call, Exception]]) -> None:
-        """The calls refused unapplied: a script the node lacks, a slot that moved."""
+        """The calls refused unapplied: a script the node lacks, a slot that moved.
+
+        A node that lost its scripts (a restart, ``SCRIPT FLUSH``, a new primary) refuses
+        every call in flight: each script is loaded there once, and its calls go back into
+        a batch. Sending each call with its source instead would put a script's whole text
+        (up to 36 KB) on the wire once per call, at the moment the node is busiest."""
+        lacking = {call.script for call, reply in retry
+                   if isinstance(reply, NoScriptError) and not call.reloaded}
+        loaded: dict[Script | None, bool] = {
+            script: await self._load(node, script) for script in lacking if script is not None}
         for call, reply in retry:
-            if isinstance(reply, NoScriptError):  # a restart, SCRIPT FLUSH, a new primary
-                reply = await self._alone(node, call)
+            if isinstance(reply, NoScriptError):
+                if loaded.get(call.script) and not call.reloaded:
+                    call.reloaded = True
+                    self._enqueue(call)
+                    continue
+                reply = await self._alone(node, call)  # lost again: send it with its source
                 if not isinstance(reply, Exception):
                     _settle(call, reply)  # complete: (reply, replicas) when durable
                     continue
@@ -213,6 +230,26 @@ class AutoPipeline:
                 continue
             REDIS.command_errors["reply"] += 1
             _settle(call, reply)
+
+    def _load(self, node: Node, script: Script) -> asyncio.Future[bool]:
+        """``SCRIPT LOAD`` on ``node``, shared by every batch that finds it missing
+        meanwhile; whether the node now has the script."""
+        key = (node, script.sha)
+        loading = self._loading.get(key)
+        if loading is None:
+            async def load() -> bool:
+                try:
+                    (sha,) = await _round_trip(node, [("SCRIPT", "LOAD", script.source)])
+                    return bool(sha == script.sha or sha == script.sha.encode())
+                except Exception as exc:  # the calls fall back to sending their source
+                    log.debug("SCRIPT LOAD on %s failed: %s", node.name, exc)
+                    return False
+                finally:
+                    del self._loading[key]
+
+            assert self._loop is not None
+            loading = self._loading[key] = self._loop.create_task(load())
+        return loading
 
     async def _alone(self, node: Node, call: _Call, before: tuple[Any, ...] = ()) -> Any:
         """Run one call on its own (after ``before``, e.g. ``ASKING``), with the source of
