@@ -51,14 +51,15 @@ def stop_profile(spy: subprocess.Popen[bytes] | None) -> None:
         spy.wait()
 
 
-async def command_calls(redis_url: str) -> dict[str, int]:
-    """Calls per Redis command so far (``INFO commandstats``)."""
+async def command_calls(redis_url: str) -> dict[str, tuple[int, int]]:
+    """Calls and microseconds per Redis command so far (``INFO commandstats``)."""
     client = Redis.from_url(redis_url)
     try:
         stats = await client.info("commandstats")
     finally:
         await client.aclose()
-    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+    return {name.removeprefix("cmdstat_"): (int(value["calls"]), int(value["usec"]))
+            for name, value in stats.items()}
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -111,10 +112,13 @@ async def run(args: argparse.Namespace) -> None:
               f"idle CPU {idle_pct:.1f} %; system calls per connection: "
               f"{(io.read_count - io0.read_count) / n:.1f} reads, "
               f"{(io.write_count - io0.write_count) / n:.1f} writes")
-        print(f"Redis CPU {redis_cpu * 1e6 / n:.0f} us/connection; commands per connection: "
-              + ", ".join(f"{name} {(calls - commands0.get(name, 0)) / n:.2f}"
-                          for name, calls in sorted(commands.items())
-                          if calls > commands0.get(name, 0) and name not in ("info", "client")))
+        used = {name: (calls - commands0.get(name, (0, 0))[0],
+                       usec - commands0.get(name, (0, 0))[1])
+                for name, (calls, usec) in commands.items() if name not in ("info", "client")}
+        print(f"Redis CPU {redis_cpu * 1e6 / n:.0f} us/connection; per connection, calls "
+              "(and us inside Redis) of each command: "
+              + ", ".join(f"{name} {calls / n:.2f} ({usec / n:.1f})"
+                          for name, (calls, usec) in sorted(used.items()) if calls))
         await asyncio.gather(*(ws.close() for ws in opened))  # type: ignore[attr-defined]
     finally:
         stop_profile(spy)
