@@ -1226,22 +1226,22 @@ def test_rename_and_delete_from_the_sidebar(page: Any, browser: Any, demo: Gatew
         sidebar_item(page, chat_id).get_by_test_id("rename").click()
         field = page.get_by_role("textbox", name="Conversation title")
         expect(field).to_be_focused()
-        field.fill("  Slow   words, renamed ")
+        field.fill("  Quick   words, renamed ")
         field.press("Enter")
         expect(sidebar_item(page, chat_id).get_by_test_id("conversation-title")).to_have_text(
-            "Slow words, renamed", timeout=TURN)
+            "Quick words, renamed", timeout=TURN)
         # The other device heard it from the feed.
-        expect(title).to_have_text("Slow words, renamed", timeout=TURN)
-        expect(other.get_by_test_id("chat-title")).to_have_text("Slow words, renamed")
+        expect(title).to_have_text("Quick words, renamed", timeout=TURN)
+        expect(other.get_by_test_id("chat-title")).to_have_text("Quick words, renamed")
         got = httpx.get(f"{demo.http}/v1/conversations/{chat_id}", headers=demo.headers(user))
-        assert got.json()["title"] == "Slow words, renamed"
+        assert got.json()["title"] == "Quick words, renamed"
 
         # Escape leaves the title as it was.
         sidebar_item(page, chat_id).get_by_test_id("rename").click()
         page.get_by_role("textbox", name="Conversation title").fill("not this")
         page.get_by_role("textbox", name="Conversation title").press("Escape")
         expect(sidebar_item(page, chat_id).get_by_test_id("conversation-title")).to_have_text(
-            "Slow words, renamed")
+            "Quick words, renamed")
 
         # Delete asks first; Keep keeps it.
         sidebar_item(page, chat_id).get_by_test_id("delete").click()
