@@ -30,7 +30,7 @@ from .keys import (
     meta_key,
 )
 from .listing import ListFilter, Place
-from .pipeline import AutoPipeline
+from .pipeline import AutoPipeline, settled
 from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
 from .scripts import (
     ChildScript,
@@ -170,11 +170,10 @@ class Store:
         command, *args = list_change
         if command == "ZADD":  # a late, older change never moves it back: list walks rely on it
             args = ["GT", *args]
-        # Issued futures, not coroutines: gather wraps a coroutine in a task of its own.
         issue = self.pipeline.issue
-        await asyncio.gather(issue(command, index_key(owner), *args),
-                             issue(command, expiry_key(expiry_bucket(args[-1])), *args),
-                             issue("SPUBLISH", feed_channel(owner), feed))
+        await settled([issue(command, index_key(owner), *args),
+                       issue(command, expiry_key(expiry_bucket(args[-1])), *args),
+                       issue("SPUBLISH", feed_channel(owner), feed)])
 
     async def read(self, chat_id: str, after: int | None, limit: int,
                    create_owner: str = "") -> History:
