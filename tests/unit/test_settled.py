@@ -1,4 +1,8 @@
-"""Waiting for several issued Redis futures at once (``pipeline.settled``)."""
+"""Waiting for several issued Redis futures at once (``pipeline.settled``).
+
+The coroutine is stepped by hand (``send``): each step runs it until it waits on a
+future still due, which it hands back. So "still waiting for b" is checked exactly, with
+no loop turns or time to wait through."""
 
 from __future__ import annotations
 
@@ -20,14 +24,13 @@ def futures(n: int) -> list[asyncio.Future[Any]]:
 
 async def test_returns_once_every_future_has_its_reply() -> None:
     a, b, c = futures(3)
-    waiting = asyncio.ensure_future(settled([a, b, c]))
+    waiting = settled([a, b, c])
     c.set_result(3)
     a.set_result(1)
-    for _ in range(5):  # loop turns, not time: b is still due
-        await asyncio.sleep(0)
-    assert not waiting.done()
+    assert waiting.send(None) is b  # a is done: it waits for b, the one still due
     b.set_result(2)
-    assert await waiting is None
+    with pytest.raises(StopIteration):  # c was done: it returns
+        waiting.send(None)
 
 
 async def test_the_first_error_in_order_after_all_have_settled() -> None:
@@ -38,16 +41,14 @@ async def test_the_first_error_in_order_after_all_have_settled() -> None:
     loop.set_exception_handler(lambda _, context: unretrieved.append(context))
     try:
         a, b, c, d = futures(4)
-        waiting = asyncio.ensure_future(settled([a, b, c, d]))
+        waiting = settled([a, b, c, d])
         d.set_exception(KeyError("d"))
         b.set_exception(ValueError("b"))
         a.set_result(1)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert not waiting.done()  # c is still due
+        assert waiting.send(None) is c  # past b's error, waiting for c
         c.set_exception(LookupError("c"))
         with pytest.raises(ValueError, match="b"):
-            await waiting
+            waiting.send(None)
         del a, b, c, d, waiting
         gc.collect()
         assert unretrieved == []
