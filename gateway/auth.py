@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import re
 import time
 from typing import TYPE_CHECKING, Literal
@@ -10,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 import jwt
 import msgspec
 from jwt.algorithms import HMACAlgorithm
+from jwt.utils import base64url_decode, base64url_encode
 
 from .errors import Rejected
 
@@ -116,11 +116,9 @@ def _segment(text: str) -> bytes | None:
     """The bytes of one unpadded, canonically encoded base64url segment, else None."""
     if len(text) % 4 == 1 or _SEGMENT.fullmatch(text) is None:
         return None
-    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    data = base64url_decode(text)
     # Unused low bits must be zero: any other spelling of the same bytes is refused.
-    if base64.urlsafe_b64encode(data).rstrip(b"=") != text.encode():
-        return None
-    return data
+    return data if base64url_encode(data) == text.encode() else None
 
 
 class TokenVerifier:
