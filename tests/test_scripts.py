@@ -27,6 +27,25 @@ local stream_id = ARGV[3] ~= '' and ARGV[3] or nil
 return envelope(ARGV[1], seq, stream_id, ARGV[4], ARGV[5])
 """
 
+MS_TEXT = LIB + "return ms_text(ARGV[1], ARGV[2])"
+
+
+@pytest.mark.parametrize(("micros", "ms"), [
+    ("0", "000"), ("7", "000"), ("999", "000"), ("1000", "001"), ("45678", "045"),
+    ("999999", "999"), ("123456", "123")])
+async def test_the_lua_clock_is_time_in_ms_without_formatting_a_number(
+        redis_url: str, micros: str, ms: str) -> None:
+    client = aioredis.from_url(redis_url)
+    try:
+        text = await client.eval(MS_TEXT, 0, "1795670297", micros)  # type: ignore[misc]
+        now = await client.eval(LIB + "local n, t = now_ms() return {n, t}", 0)  # type: ignore[misc]
+        seconds, _ = await client.time()
+    finally:
+        await client.aclose()
+    assert text == b"1795670297" + ms.encode()
+    assert str(now[0]).encode() == now[1]  # the number and its text agree
+    assert abs(int(now[1]) - seconds * 1000) < 5000
+
 
 @pytest.mark.parametrize(("args", "expected"), [
     (("e7", "12", "", "", '{"type":"note","seq":12}'),

@@ -43,7 +43,12 @@ from .records import (
 
 
 def load(*names: str) -> Script:
-    """Scripts joined, with ``lua/lib.lua`` (the shared functions) in front of them."""
+    """Scripts joined, with ``lua/lib.lua`` (what every script needs first) in front of them.
+
+    Lua defines a script's functions anew on every call, so a script's short paths come
+    before the definitions only its general path needs: ``publish.lua``, then ``meta.lua``
+    (the conversation's state) and ``tree.lua``, then ``publish_batch.lua``.
+    """
     lua = resources.files(__package__).joinpath("lua")
     return Script("".join(lua.joinpath(name).read_text() for name in ("lib.lua", *names)))
 
@@ -128,7 +133,7 @@ class PublishScript:
     """``publish.lua``: append a batch of events to one conversation."""
 
     def __init__(self, settings: Settings) -> None:
-        self.script = load("tree.lua", "publish.lua")
+        self.script = load("publish.lua", "meta.lua", "tree.lua", "publish_batch.lua")
         self._settings = settings
         self._types = ",".join(settings.stream_types)
         self._decode = msgspec.json.Decoder(_PublishReply).decode
@@ -179,7 +184,7 @@ class ReadScript:
     """``read.lua``: state, open streams and frames after a seq, creating if asked."""
 
     def __init__(self, settings: Settings) -> None:
-        self.script = load("read.lua")
+        self.script = load("meta.lua", "read.lua")
         self._settings = settings
         self._types = ",".join(settings.stream_types)
         self._decode = msgspec.json.Decoder(_ReadReply).decode
@@ -234,7 +239,7 @@ class ChildScript:
     """``child.lua``: create a sub-conversation, its meta naming its parent."""
 
     def __init__(self) -> None:
-        self.script = load("child.lua")
+        self.script = load("meta.lua", "child.lua")
         self._decode = msgspec.json.Decoder(ChildCreated).decode
 
     def call(self, chat_id: str, owner: str, parent: str, fresh: str) -> Call:
@@ -269,7 +274,7 @@ class HistoryScript:
     """``history.lua``: a page of the active path's events, and its forks."""
 
     def __init__(self) -> None:
-        self.script = load("tree.lua", "history.lua")
+        self.script = load("meta.lua", "tree.lua", "history.lua")
         self._decode = msgspec.json.Decoder(_PathReply).decode
 
     def call(self, chat_id: str, after: int, limit: int, tip: str = "") -> Call:
@@ -307,7 +312,7 @@ class TreeScript:
     ROOT = "^"  # tree.lua's root record: the first messages
 
     def __init__(self) -> None:
-        self.script = load("tree_read.lua")
+        self.script = load("meta.lua", "tree_read.lua")
         self._decode = msgspec.json.Decoder(_TreeReply).decode
         self._record = msgspec.json.Decoder(_NodeRecord).decode
 

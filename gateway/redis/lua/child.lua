@@ -10,9 +10,9 @@
 
 local m = load_meta(KEYS[1])
 if m then return cjson.encode({created = false, epoch = m.epoch, parent = m.parent or ''}) end
-local now = now_ms()
-m = new_meta(ARGV[1], ARGV[2], now)
+local now, now_text = now_ms()
+m = new_meta(ARGV[1], ARGV[2], now_text)
 m.parent = ARGV[4]
 save_meta(KEYS[1], m)
 return cjson.encode({created = true, epoch = m.epoch, ts = now,
-                     feed = announce(ARGV[3], m, now, true)})
+                     feed = announce(ARGV[3], m, now_text, true)})

@@ -14,7 +14,7 @@
 
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return '{}' end
-local now = now_ms()
+local now, now_text = now_ms()
 local untouched = tonumber(ARGV[3])
 if untouched and untouched > 0 then
   local status, updated, created = unpack(redis.call('HMGET', KEYS[1], 'status', 'updated_at',
@@ -30,10 +30,10 @@ local parent = redis.call('HGET', KEYS[1], 'parent') or ''
 local children = redis.call('ZRANGE', KEYS[#KEYS], 0, -1)
 redis.call('DEL', unpack(KEYS))
 redis.call('SPUBLISH', ARGV[1], envelope(nil, nil, nil, nil,
-  '{"type":"deleted","chat_id":' .. chat .. ',"seq":null,"ts":' .. now ..
+  '{"type":"deleted","chat_id":' .. chat .. ',"seq":null,"ts":' .. now_text ..
   ',"data":{"epoch":' .. cjson.encode(epoch) .. ',"last_seq":' .. seq .. '}}'))
 return cjson.encode({owner = owner, parent = parent,
   children = #children > 0 and children or nil,
   feed = '{"type":"conversation","chat_id":' .. chat ..
-  ',"title":null,"status":"idle","updated_at":' .. now .. ',"last_seq":' .. seq ..
+  ',"title":null,"status":"idle","updated_at":' .. now_text .. ',"last_seq":' .. seq ..
   ',"goal_state":null,"preview":null,"created":false,"deleted":true}'})

@@ -20,10 +20,10 @@
 local m = load_meta(KEYS[1])
 if not m then
   if ARGV[3] == '' then return '{"created":false}' end
-  local now = now_ms()
-  m = new_meta(ARGV[3], ARGV[4], now)
+  local _, now_text = now_ms()
+  m = new_meta(ARGV[3], ARGV[4], now_text)
   save_meta(KEYS[1], m)
-  return cjson.encode({meta = m, created = true, feed = announce(ARGV[5], m, now, true)})
+  return cjson.encode({meta = m, created = true, feed = announce(ARGV[5], m, now_text, true)})
 end
 local reply = {meta = m, created = false}
 local streams = {}
