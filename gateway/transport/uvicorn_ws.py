@@ -121,6 +121,14 @@ class JoinedWrites:
         else:
             held.append(data)
 
+    def write_whole(self, data: bytes) -> None:
+        """A reply made in one piece (the fast POST's): it has nothing to be joined with, so
+        it leaves now, a loop turn sooner, unless earlier writes are held (order first)."""
+        if self._held is None:
+            self.transport.write(data)
+        else:
+            self._held.append(data)
+
     def flush(self) -> None:
         held, self._held = self._held, None
         if held and not self.transport.is_closing():
@@ -268,8 +276,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             status, body, request.keep_alive = 500, _INTERNAL_ERROR, False
         if request.disconnected:
             return  # the client is gone: nobody to answer
-        self.transport.write(_head(status, len(body), self.server_state.default_headers,
-                                   request.keep_alive) + body)
+        cast(JoinedWrites, self.transport).write_whole(
+            _head(status, len(body), self.server_state.default_headers, request.keep_alive)
+            + body)
         request.response_complete = True
         if not request.keep_alive:
             self.transport.close()
