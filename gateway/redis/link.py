@@ -8,14 +8,16 @@ connection here (TCP or a unix socket, TLS, AUTH, SELECT: whatever the URL asks)
 its transport is handed to a :class:`Link`, which owns it from then on.
 
 Two kinds: :class:`PipelinedLink` carries the auto-pipeline's batches back to back, each
-caller waiting for its own batch's replies (in order: Redis answers in order); the pub/sub
-reader subclasses :class:`Link` to take pushes a whole read at a time.
+batch's replies handed to its sender by the read that completes it (in order: Redis answers
+in order); the pub/sub reader subclasses :class:`Link` to take pushes a whole read at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -26,6 +28,12 @@ from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 _MORE = object()  # hiredis's "no complete reply yet", unlike any reply (RESP3 has False)
+
+log = logging.getLogger("gateway.link")
+
+# What a batch's sender is told: every reply (an error reply as its exception object), or
+# the error that ended the connection first.
+Then = Callable[[list[Any] | BaseException], None]
 
 
 class Link(asyncio.Protocol):
@@ -105,13 +113,19 @@ class Link(asyncio.Protocol):
 
 
 class _Batch:
-    __slots__ = ("count", "future", "replies", "sent_at")
+    __slots__ = ("count", "replies", "sent_at", "then")
 
-    def __init__(self, future: asyncio.Future[list[Any]], count: int, sent_at: float) -> None:
-        self.future = future
+    def __init__(self, then: Then, count: int, sent_at: float) -> None:
+        self.then = then
         self.count = count
         self.sent_at = sent_at
         self.replies: list[Any] = []
+
+    def end(self, outcome: list[Any] | BaseException) -> None:
+        try:
+            self.then(outcome)
+        except Exception:  # a sender's bug must not cost the batches after it their replies
+            log.exception("a batch's callback failed")
 
 
 class PipelinedLink(Link):
@@ -130,19 +144,35 @@ class PipelinedLink(Link):
         self._batches: deque[_Batch] = deque()
         self._watchdog: asyncio.TimerHandle | None = None
 
-    def request(self, packed: bytes, count: int) -> asyncio.Future[list[Any]]:
-        """Send ``count`` packed commands; the future gets their ``count`` replies."""
+    def send(self, packed: bytes, count: int, then: Then) -> None:
+        """Send ``count`` packed commands; ``then`` gets their replies from the very read
+        that completes them (a loop turn sooner than a future's callback would), or the
+        error that ends the connection first."""
         self.write(packed)
         loop = self._loop
-        batch = _Batch(loop.create_future(), count, loop.time())
+        batch = _Batch(then, count, loop.time())
         self._batches.append(batch)
         if self._watchdog is None and self._timeout:
             self._watchdog = loop.call_at(batch.sent_at + self._timeout, self._watch)
-        return batch.future
+
+    def request(self, packed: bytes, count: int) -> asyncio.Future[list[Any]]:
+        """:meth:`send`, for a caller that awaits the replies."""
+        future: asyncio.Future[list[Any]] = self._loop.create_future()
+
+        def then(outcome: list[Any] | BaseException) -> None:
+            if future.done():  # its caller went away
+                return
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        self.send(packed, count, then)
+        return future
 
     def on_replies(self, replies: list[Any]) -> None:
-        batches = self._batches
         for reply in replies:
+            batches = self._batches
             if not batches:
                 self.close(RedisConnectionError(f"Unexpected reply from {self.name}"))
                 return
@@ -150,8 +180,7 @@ class PipelinedLink(Link):
             batch.replies.append(reply)
             if len(batch.replies) == batch.count:
                 batches.popleft()
-                if not batch.future.done():  # its caller may have gone away
-                    batch.future.set_result(batch.replies)
+                batch.end(batch.replies)
 
     def _watch(self) -> None:
         self._watchdog = None
@@ -170,5 +199,4 @@ class PipelinedLink(Link):
             self._watchdog = None
         batches, self._batches = self._batches, deque()
         for batch in batches:
-            if not batch.future.done():
-                batch.future.set_exception(error)
+            batch.end(error)

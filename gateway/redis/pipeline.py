@@ -42,7 +42,6 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .backend import Backend, Node
@@ -149,13 +148,12 @@ class AutoPipeline:
                 self._spawn(self._send(node, calls))
                 continue
             # The usual case needs no task: the batch goes out now, and its replies are
-            # handed out from the reply future's callback.
+            # handed out by the read that brings them.
             try:
-                replies = link.request(_packed([call.args for call in calls]), len(calls))
+                link.send(_packed([call.args for call in calls]), len(calls),
+                          partial(self._replied, node, calls))
             except Exception as exc:  # the link closed since: the same as a failed send
                 self._spawn(self._failed(calls, exc))
-                continue
-            replies.add_done_callback(partial(self._replied, node, calls))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         assert self._loop is not None
@@ -163,13 +161,12 @@ class AutoPipeline:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _replied(self, node: Node, calls: list[_Call], done: asyncio.Future[list[Any]]) -> None:
-        error = (RedisConnectionError(f"a batch to {node.name} was cancelled")
-                 if done.cancelled() else done.exception())
-        if error is not None:
-            self._spawn(self._failed(calls, error))
+    def _replied(self, node: Node, calls: list[_Call], outcome: list[Any] | BaseException
+                 ) -> None:
+        if isinstance(outcome, BaseException):
+            self._spawn(self._failed(calls, outcome))
             return
-        retry = _hand_out(calls, done.result(), None)
+        retry = _hand_out(calls, outcome, None)
         if retry:
             self._spawn(self._retry(node, retry))
 
