@@ -124,10 +124,10 @@ class JoinedWrites:
     def write_whole(self, data: bytes) -> None:
         """A reply made in one piece (the fast POST's): it has nothing to be joined with, so
         it leaves now, a loop turn sooner, unless earlier writes are held (order first)."""
-        if self._held is None:
-            self.transport.write(data)
-        else:
+        if self._held is not None:
             self._held.append(data)
+        elif not self.transport.is_closing():
+            self.transport.write(data)
 
     def flush(self) -> None:
         held, self._held = self._held, None
