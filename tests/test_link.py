@@ -5,6 +5,7 @@ fails the batches in flight in bounded time. Real Redis, real sockets."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,6 +51,33 @@ async def test_batches_in_flight_get_their_own_replies_in_order(node: Node) -> N
         assert isinstance(wrong, ResponseError) and "WRONGTYPE" in str(wrong)  # in its place
         assert echo == b"%d" % i
     assert await node.link() is link  # one connection carried them all
+
+
+async def test_replies_reach_the_sender_from_the_read_and_a_failing_one_costs_no_other(
+        node: Node, caplog: pytest.LogCaptureFixture) -> None:
+    """``send``'s callback runs inside the read that completes its batch (not a loop turn
+    later). One that raises is logged; the batches after it still get their replies, on
+    the same connection."""
+    link = await node.link()
+    got: list[tuple[list[Any] | BaseException, bool]] = []
+    done = asyncio.Event()
+
+    def broken(outcome: list[Any] | BaseException) -> None:
+        raise RuntimeError("a sender's bug")
+
+    def later(outcome: list[Any] | BaseException) -> None:
+        in_read = any(frame.function == "data_received" for frame in inspect.stack())
+        got.append((outcome, in_read))
+        done.set()
+
+    link.send(pack(("PING",)), 1, broken)
+    link.send(pack(("ECHO", b"after"), ("ECHO", b"it")), 2, later)
+    with anyio.fail_after(5):
+        await done.wait()
+    assert got == [([b"after", b"it"], True)]
+    assert "a batch's callback failed" in caplog.text
+    assert link.open and await node.link() is link
+    assert await link.request(pack(("PING",)), 1) == [b"PONG"]
 
 
 async def test_a_server_that_stops_answering_fails_the_batches_in_flight(
