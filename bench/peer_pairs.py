@@ -1,0 +1,84 @@
+"""Fan-out against the Python limit, in alternated pairs: how far one run's ratio can be trusted.
+
+The peer bench (``../shared/bench``) measures each peer in its own window of a few
+seconds, and the CPU a window costs moves with whatever else the machine does: the same
+server, measured twice in one run, has differed by a third. This script runs the bench's
+``fanout`` scenario ``--runs`` times for ``py-prebuilt-calib`` and ``gateway`` only,
+swapping their order every run, and prints, for every rate, the gateway's server CPU
+divided by calib's in each run and the median of those ratios, with calib's own spread
+across runs next to it: a ratio inside that spread says nothing either way.
+
+    .venv/bin/python bench/peer_pairs.py                       # 3 runs, --quick
+    .venv/bin/python bench/peer_pairs.py --runs 5 --full       # the bench's full windows
+    .venv/bin/python bench/peer_pairs.py --bench ~/src/shared/bench
+
+Run it from the repository root (the bench installs the checkout it is started from), on a
+machine with nothing else running: about 2 minutes per run with ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ("py-prebuilt-calib", "gateway")
+RESULTS = re.compile(r"^results: (\S+\.json)$", re.MULTILINE)
+
+
+def one_run(bench: Path, order: tuple[str, ...], quick: bool) -> dict[str, dict[int, float]]:
+    """One bench run: peer -> rate -> server CPU %, for the rates that passed."""
+    cmd = [str(bench / "run"), "--peers", ",".join(order), "--scenarios", "fanout"]
+    if quick:
+        cmd.append("--quick")
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    found = RESULTS.search(done.stderr)
+    if done.returncode != 0 or found is None:
+        sys.exit(f"bench failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    results = json.loads(Path(found.group(1)).read_text())
+    cpu: dict[str, dict[int, float]] = {}
+    for peer in order:
+        runs = results["peers"][peer]["scenarios"]["fanout"].get("runs", [])
+        cpu[peer] = {int(r["rate"]): float(r["cpu_pct"]["server"]) for r in runs if r["ok"]}
+    print(f"  run {found.group(1)}: " + "; ".join(
+        f"{peer} {' '.join(f'{rate}:{pct:g}' for rate, pct in cpu[peer].items())}"
+        for peer in order), flush=True)
+    return cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--full", action="store_true", help="the bench's full windows, not --quick")
+    ap.add_argument("--bench", type=Path, default=ROOT.parent / "shared" / "bench")
+    args = ap.parse_args()
+
+    runs = []
+    for i in range(args.runs):
+        order = PEERS if i % 2 == 0 else PEERS[::-1]
+        print(f"run {i + 1}/{args.runs}: {', '.join(order)}", flush=True)
+        runs.append(one_run(args.bench, order, not args.full))
+
+    rates = sorted({rate for run in runs for rate in run["gateway"]} |
+                   {rate for run in runs for rate in run["py-prebuilt-calib"]})
+    print("\n| rate msg/s | gateway ÷ calib, each run | median | calib max ÷ min |")
+    print("|---|---|---|---|")
+    for rate in rates:
+        pairs = [run["gateway"][rate] / run["py-prebuilt-calib"][rate] for run in runs
+                 if rate in run["gateway"] and rate in run["py-prebuilt-calib"]]
+        calib = [run["py-prebuilt-calib"][rate] for run in runs if rate in run["py-prebuilt-calib"]]
+        if not pairs:
+            print(f"| {rate} | one peer did not pass | | |")
+            continue
+        spread = f"{max(calib) / min(calib):.2f}" if len(calib) > 1 and min(calib) else ""
+        print(f"| {rate} | {' '.join(f'{r:.2f}' for r in pairs)} | "
+              f"{statistics.median(pairs):.2f} | {spread} |")
+
+
+if __name__ == "__main__":
+    main()
