@@ -43,7 +43,10 @@ def one_run(bench: Path, order: tuple[str, ...], quick: bool) -> dict[str, dict[
     results = json.loads(Path(found.group(1)).read_text())
     cpu: dict[str, dict[int, float]] = {}
     for peer in order:
-        runs = results["peers"][peer]["scenarios"]["fanout"].get("runs", [])
+        fanout = results["peers"].get(peer, {}).get("scenarios", {}).get("fanout")
+        if not fanout or not fanout.get("runs"):
+            sys.exit(f"{peer} has no fanout results in {found.group(1)}: {fanout!r:.500}")
+        runs = fanout["runs"]
         cpu[peer] = {int(r["rate"]): float(r["cpu_pct"]["server"]) for r in runs if r["ok"]}
     print(f"  run {found.group(1)}: " + "; ".join(
         f"{peer} {' '.join(f'{rate}:{pct:g}' for rate, pct in cpu[peer].items())}"
