@@ -172,6 +172,8 @@ class PipelinedLink(Link):
 
     def on_replies(self, replies: list[Any]) -> None:
         for reply in replies:
+            # Looked up per reply: a callback run below may close the link, which swaps in
+            # a fresh deque and ends every batch of the old one; those must not get replies.
             batches = self._batches
             if not batches:
                 self.close(RedisConnectionError(f"Unexpected reply from {self.name}"))
