@@ -6,10 +6,14 @@ server, measured twice in one run, has differed by a third. This script runs the
 ``fanout`` scenario ``--runs`` times for ``py-prebuilt-calib`` and ``gateway`` only,
 swapping their order every run, and prints, for every rate, the gateway's server CPU
 divided by calib's in each run and the median of those ratios, with calib's own spread
-across runs next to it: a ratio inside that spread says nothing either way.
+across runs next to it: a ratio inside that spread says nothing either way. It also
+prints the gateway's extra CPU per event (its CPU minus calib's, over the rate): with one
+subscriber (``--subscribers 1``) that is the cost of the durable publish path alone.
 
     .venv/bin/python bench/peer_pairs.py                       # 3 runs, --quick
     .venv/bin/python bench/peer_pairs.py --runs 5 --full       # the bench's full windows
+    .venv/bin/python bench/peer_pairs.py --subscribers 1 --rates 20,100,400
+    .venv/bin/python bench/peer_pairs.py --gateway-dir ../other-checkout   # A/B a change
     .venv/bin/python bench/peer_pairs.py --bench ~/src/shared/bench
 
 Run it from the repository root (the bench installs the checkout it is started from), on a
@@ -31,11 +35,10 @@ PEERS = ("py-prebuilt-calib", "gateway")
 RESULTS = re.compile(r"^results: (\S+\.json)$", re.MULTILINE)
 
 
-def one_run(bench: Path, order: tuple[str, ...], quick: bool) -> dict[str, dict[int, float]]:
+def one_run(bench: Path, order: tuple[str, ...], options: list[str]
+            ) -> dict[str, dict[int, float]]:
     """One bench run: peer -> rate -> server CPU %, for the rates that passed."""
-    cmd = [str(bench / "run"), "--peers", ",".join(order), "--scenarios", "fanout"]
-    if quick:
-        cmd.append("--quick")
+    cmd = [str(bench / "run"), "--peers", ",".join(order), "--scenarios", "fanout", *options]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     found = RESULTS.search(done.stderr)
     if done.returncode != 0 or found is None:
@@ -58,29 +61,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--full", action="store_true", help="the bench's full windows, not --quick")
+    ap.add_argument("--subscribers", type=int, help="subscribers in the room (the bench's --n)")
+    ap.add_argument("--rates", help="publish rates, msg/s, comma-separated (the bench's)")
+    ap.add_argument("--gateway-dir", type=Path, help="the checkout to bench (default: this one)")
     ap.add_argument("--bench", type=Path, default=ROOT.parent / "shared" / "bench")
     args = ap.parse_args()
+    options = [] if args.full else ["--quick"]
+    if args.subscribers is not None:
+        options += ["--n", str(args.subscribers)]
+    if args.rates:
+        options += ["--rates", args.rates]
+    if args.gateway_dir:
+        options += ["--gateway-dir", str(args.gateway_dir.resolve())]
 
     runs = []
     for i in range(args.runs):
         order = PEERS if i % 2 == 0 else PEERS[::-1]
         print(f"run {i + 1}/{args.runs}: {', '.join(order)}", flush=True)
-        runs.append(one_run(args.bench, order, not args.full))
+        runs.append(one_run(args.bench, order, options))
 
     rates = sorted({rate for run in runs for rate in run["gateway"]} |
                    {rate for run in runs for rate in run["py-prebuilt-calib"]})
-    print("\n| rate msg/s | gateway ÷ calib, each run | median | calib max ÷ min |")
-    print("|---|---|---|---|")
+    print("\n| rate msg/s | gateway ÷ calib, each run | median | calib max ÷ min "
+          "| gateway's extra ms per event, median |")
+    print("|---|---|---|---|---|")
     for rate in rates:
-        pairs = [run["gateway"][rate] / run["py-prebuilt-calib"][rate] for run in runs
-                 if rate in run["gateway"] and rate in run["py-prebuilt-calib"]]
+        both = [(run["gateway"][rate], run["py-prebuilt-calib"][rate]) for run in runs
+                if rate in run["gateway"] and rate in run["py-prebuilt-calib"]]
         calib = [run["py-prebuilt-calib"][rate] for run in runs if rate in run["py-prebuilt-calib"]]
-        if not pairs:
-            print(f"| {rate} | one peer did not pass | | |")
+        if not both:
+            print(f"| {rate} | one peer did not pass | | | |")
             continue
+        pairs = [gateway / cal for gateway, cal in both]
+        # 1 % of a core is 10 ms of CPU a second, spread over `rate` events.
+        extra = [(gateway - cal) * 10 / rate for gateway, cal in both]
         spread = f"{max(calib) / min(calib):.2f}" if len(calib) > 1 and min(calib) else ""
         print(f"| {rate} | {' '.join(f'{r:.2f}' for r in pairs)} | "
-              f"{statistics.median(pairs):.2f} | {spread} |")
+              f"{statistics.median(pairs):.2f} | {spread} | {statistics.median(extra):.3f} |")
 
 
 if __name__ == "__main__":
