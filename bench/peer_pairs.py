@@ -92,12 +92,14 @@ def main() -> None:
         if not both:
             print(f"| {rate} | one peer did not pass | | | |")
             continue
-        pairs = [gateway / cal for gateway, cal in both]
+        # Calib can read 0.0 % at one subscriber and a low rate: no ratio from that run.
+        pairs = [gateway / cal for gateway, cal in both if cal]
         # 1 % of a core is 10 ms of CPU a second, spread over `rate` events.
         extra = [(gateway - cal) * 10 / rate for gateway, cal in both]
         spread = f"{max(calib) / min(calib):.2f}" if len(calib) > 1 and min(calib) else ""
-        print(f"| {rate} | {' '.join(f'{r:.2f}' for r in pairs)} | "
-              f"{statistics.median(pairs):.2f} | {spread} | {statistics.median(extra):.3f} |")
+        median = f"{statistics.median(pairs):.2f}" if pairs else ""
+        print(f"| {rate} | {' '.join(f'{r:.2f}' for r in pairs)} | {median} | {spread} | "
+              f"{statistics.median(extra):.3f} |")
 
 
 if __name__ == "__main__":
