@@ -364,6 +364,25 @@ async def test_keepalive_pings_and_closes_1011_when_unanswered(start_gateway: An
     answering.close()
 
 
+async def test_keepalive_leaves_a_connection_that_talks_unpinged(start_gateway: Any) -> None:
+    """A message since the last round shows the peer is alive: no ping (``reply`` fails on
+    one) for as long as it talks, though it never answers pings; silent, it is pinged, and
+    closed with 1011 when it does not answer."""
+    gw = start_gateway(heartbeat=0.3)
+    talking = await connected(gw, "ka-talk")
+    loop = asyncio.get_running_loop()
+    until, sent = loop.time() + 1.5, 0  # five rounds
+    while loop.time() < until:
+        talking.send(frame(TEXT, ping_request(f"t{sent}")))
+        assert (await talking.reply("pong"))["id"] == f"t{sent}"
+        sent += 1
+        await asyncio.sleep(0.1)  # the client's pace: three messages a round
+    while (await talking.recv())[0] != PING:
+        pass
+    assert (await talking.closed_with())[0] == 1011
+    talking.close()
+
+
 # --- a connection ticket is redeemed after the 101 ----------------------------------------
 
 

@@ -253,9 +253,10 @@ class Host:
     # --- keepalive: one timer for every connection ----------------------------------
 
     def keepalive(self) -> None:
-        """Ping every connection; close those that did not answer the previous ping (any
-        pong will do) with 1011. A connection is pinged every ``ping_interval`` and has
-        until the next round to answer."""
+        """Ping every connection that sent no message since the last round; close those
+        that did not answer the previous ping (any pong will do) with 1011. A connection
+        that went silent is pinged within ``ping_interval`` and has until the next round to
+        answer."""
         self._sweep = None
         alive = False
         for protocol in list(self.connections):
@@ -288,8 +289,8 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
     ``transport``, ``writable`` and ``listener`` are what the fast path
     (:class:`~gateway.transport.outbound.DirectOutbound`) uses."""
 
-    __slots__ = ("_close_timer", "_framing", "_host", "_parts", "_pinged", "_text", "early",
-                 "listener", "lost", "redeeming", "session", "transport", "writable")
+    __slots__ = ("_close_timer", "_framing", "_heard", "_host", "_parts", "_pinged", "_text",
+                 "early", "listener", "lost", "redeeming", "session", "transport", "writable")
 
     def __init__(self, host: Host, transport: asyncio.Transport) -> None:
         self._host = host
@@ -300,7 +301,8 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
         self._framing: Framing | None = None  # while bytes are being parsed, or closing
         self._parts: list[bytes] | None = None  # a fragmented message's frames so far
         self._text = False
-        self._pinged = False
+        self._pinged = False  # pinged, and no pong since
+        self._heard = False  # a message arrived since the last keepalive round
         self._close_timer: asyncio.TimerHandle | None = None
         self.lost = False
         # While a ticket is redeemed: the task, and the client messages that wait for it.
@@ -383,6 +385,7 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
         self._end(code)
 
     def _message(self, data: bytes) -> None:
+        self._heard = True
         if self._text:
             try:
                 data.decode()
@@ -479,8 +482,14 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
         self._close_timer = self._host.loop.call_later(CLOSE_TIMEOUT, self.transport.close)
 
     def ping(self) -> None:
-        """A keepalive round (:meth:`Host.keepalive`)."""
+        """A keepalive round (:meth:`Host.keepalive`): a connection that sent a message
+        since the last round is alive, and is not pinged (a client that pings on silence,
+        as the SDKs do, is then never pinged: half the frames, and no wake-up of a phone's
+        radio for them)."""
         if self.lost or self._close_timer is not None:
+            return
+        if self._heard:
+            self._heard = self._pinged = False
             return
         if self._pinged:
             self._host.logger.info("keepalive ping not answered: closing with 1011")
