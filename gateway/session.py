@@ -170,6 +170,19 @@ class Session:
             # Closed by us (4008, 4011, 4029...) but the close frame has not reached the
             # peer yet: what it still sends must not act (no writes after 4011 or 4008).
             return True
+        if self._worker is None and self._feed_ready is None:
+            # Nothing waits before it: a message answered without I/O (a ping, a refusal)
+            # is answered now. A task per message would cost more than the answer.
+            try:
+                frame = self._take(data)
+                if frame is None or self._answer_now(frame):
+                    return True
+            except Exception:
+                self._failed()
+                return True
+            self._inbox = []
+            self._worker = asyncio.get_running_loop().create_task(self._work(frame))
+            return True
         inbox = self._inbox
         if inbox is None:
             inbox = self._inbox = []
@@ -211,16 +224,18 @@ class Session:
             if not mine:
                 del self.gateway.sessions[self.principal.user_id]
 
-    async def _work(self) -> None:
-        """Handle the waiting messages in order; the task ends when there are none."""
+    async def _work(self, first: p.ClientFrame | None = None) -> None:
+        """Handle ``first`` (a message taken already), then the waiting messages in order;
+        the task ends when there are none."""
         logs.bind(connection_id=self.id, user_id=self.principal.user_id)
         inbox = self._inbox
         try:
+            if first is not None:
+                await self._handle_frame(first)
             while inbox and not self._ended:
                 await self._handle_message(inbox.pop(0))
         except Exception:
-            log.exception("session %s: failed", self.id)
-            self.close(INTERNAL_ERROR, "internal error")
+            self._failed()
         finally:
             self._worker = None
             self._inbox = None
@@ -376,21 +391,35 @@ class Session:
 
     async def _handle_message(self, data: bytes) -> None:
         """One client message: rate limit, decode, handle; a backend failure closes."""
-        try:
-            ready = self._feed_ready
-            if ready is not None:  # raises if the feed could not be subscribed
+        ready = self._feed_ready
+        if ready is not None:
+            try:  # raises if the feed could not be subscribed
                 await wait_shared(ready, CONFIRM_TIMEOUT)
-                self._feed_ready = None
-            if not self._admit():
+            except (RedisError, ConnectionError, OSError, TimeoutError):
+                self._backend_failed()
                 return
-            try:
-                frame = self.codec.decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                COUNTS.frames_in[None] += 1
-                code, text = p.error_message(exc)
-                env = self.codec.envelope(data)
-                self._bad(code, text, env.id, env.chat_id)
-                return
+            self._feed_ready = None
+        frame = self._take(data)
+        if frame is not None:
+            await self._handle_frame(frame)
+
+    def _take(self, data: bytes) -> p.ClientFrame | None:
+        """Rate limit and decode one client message; None when it was refused (and the
+        refusal sent)."""
+        if not self._admit():
+            return None
+        try:
+            return self.codec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            COUNTS.frames_in[None] += 1
+            code, text = p.error_message(exc)
+            env = self.codec.envelope(data)
+            self._bad(code, text, env.id, env.chat_id)
+            return None
+
+    async def _handle_frame(self, frame: p.ClientFrame) -> None:
+        """Handle one client frame; a refusal is the reply, a backend failure closes."""
+        try:
             about = logs.about_chat(getattr(frame, "chat_id", None))
             try:
                 await self._handle(frame)
@@ -399,8 +428,16 @@ class Session:
             finally:
                 logs.unbind(about)
         except (RedisError, ConnectionError, OSError, TimeoutError):
-            log.exception("session %s: backend failure", self.id)
-            self.close(BACKEND_UNAVAILABLE, "backend unavailable")
+            self._backend_failed()
+
+    def _backend_failed(self) -> None:
+        log.exception("session %s: backend failure", self.id)
+        self.close(BACKEND_UNAVAILABLE, "backend unavailable")
+
+    def _failed(self) -> None:
+        """A bug met while handling a client message: logged, and 1011 to the client."""
+        log.exception("session %s: failed", self.id)
+        self.close(INTERNAL_ERROR, "internal error")
 
     def _admit(self) -> bool:
         """Token-bucket rate limit on inbound frames."""
@@ -421,7 +458,10 @@ class Session:
         return False
 
     def _bad(self, code: str, message: str, req_id: Any = None, chat_id: Any = None) -> None:
-        log.debug("invalid frame: %s", code)  # not its content: it may hold message text
+        # Not its content: it may hold message text. The ids are given, as a refusal can be
+        # sent from the socket's callback, outside the session's task.
+        log.debug("invalid frame: %s", code,
+                  extra={"connection_id": self.id, "user_id": self.principal.user_id})
         self._bad_frames += 1
         if self._bad_frames > self.settings.max_bad_frames:
             self.close(PROTOCOL_ABUSE, "too many invalid frames")
@@ -434,7 +474,18 @@ class Session:
         self._send(p.Error(code, message, frame.id, getattr(frame, "chat_id", None),
                            msgspec.UNSET if head is None else head or None))
 
+    def _answer_now(self, frame: p.ClientFrame) -> bool:
+        """Answer ``frame`` if that needs no I/O (a ping); returns whether it did."""
+        if type(frame) is not p.Ping:
+            return False
+        COUNTS.frames_in[p.Ping] += 1
+        self._send(p.Pong(now_ms(), frame.id))
+        self._bad_frames = 0
+        return True
+
     async def _handle(self, frame: p.ClientFrame) -> None:
+        if self._answer_now(frame):
+            return
         COUNTS.frames_in[type(frame)] += 1
         match frame:
             case p.Subscribe():
@@ -457,8 +508,6 @@ class Session:
                 self._send(await self.gateway.conversations.undo(self.principal, frame))
             case p.Switch():
                 self._send(await self.gateway.conversations.switch(self.principal, frame))
-            case p.Ping():
-                self._send(p.Pong(now_ms(), frame.id))
         self._bad_frames = 0
 
     # --- subscriptions ----------------------------------------------------------------

@@ -115,6 +115,22 @@ async def assert_usable(ws: Client, req_id: str) -> None:
 # --- order: fast-path writes against replies ---------------------------------------------
 
 
+async def test_a_ping_is_answered_at_once_yet_after_the_request_before_it(
+    fast: Any, user: str, chat_id: str
+) -> None:
+    """A ping is answered from the socket's callback, with no task, but only when nothing
+    is waiting before it: behind a subscribe that reads the store, its pong comes second."""
+    async with connect(fast.url(user)) as ws:
+        await assert_usable(ws, "first")  # the first request waits for the feed
+        for round_ in range(3):
+            await ws.send({"type": "subscribe", "chat_id": f"{chat_id}-{round_}", "id": "s"})
+            await ws.send({"type": "ping", "id": "p"})
+            await ws.expect("subscribed", id="s")
+            await ws.expect("pong", id="p")
+        for round_ in range(3):
+            await assert_usable(ws, f"alone-{round_}")
+
+
 @pytest.mark.slow  # ~5 s of load
 async def test_fanned_out_events_and_replies_keep_their_order(
     fast: Any, user: str, chat_id: str
