@@ -230,7 +230,7 @@ class Session:
         logs.bind(connection_id=self.id, user_id=self.principal.user_id)
         inbox = self._inbox
         try:
-            if first is not None:
+            if first is not None and not self._ended:
                 await self._handle_frame(first)
             while inbox and not self._ended:
                 await self._handle_message(inbox.pop(0))
