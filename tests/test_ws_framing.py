@@ -376,7 +376,9 @@ async def test_keepalive_leaves_a_connection_that_talks_unpinged(start_gateway: 
         talking.send(frame(TEXT, ping_request(f"t{sent}")))
         assert (await talking.reply("pong"))["id"] == f"t{sent}"
         sent += 1
-        await asyncio.sleep(0.1)  # the client's pace: three messages a round
+        # Three messages a round: between them, no frame (a ping) may come.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(talking.recv(), 0.1)
     while (await talking.recv())[0] != PING:
         pass
     assert (await talking.closed_with())[0] == 1011
