@@ -21,10 +21,10 @@ from starlette.types import Receive, Scope, Send
 
 from . import api, scrape, web
 from .config import Settings, load_settings
-from .connect import SocketEndpoint
+from .connect import Admission, SocketEndpoint
 from .runtime import Gateway
 from .transport.uvicorn_ws import FAST_POST, redact_request_logs
-from .transport.websocket import ENDPOINT_STATE
+from .transport.websocket import ENDPOINT_STATE, Endpoint
 
 WEBSOCKET_PATH = "/v1/ws"
 
@@ -65,7 +65,8 @@ def create_app(settings: Settings | None = None) -> GatewayApp:
         try:
             # The gateway's own protocols find their endpoints here (lifespan state reaches
             # the server's protocols without going through a request).
-            yield {ENDPOINT_STATE: sockets, FAST_POST: publish}
+            endpoint: Endpoint[Admission] = sockets  # what the transport may ask of it
+            yield {ENDPOINT_STATE: endpoint, FAST_POST: publish}
         finally:
             await gateway.stop()
 

@@ -21,13 +21,12 @@ from starlette.datastructures import Headers, QueryParams
 from . import logs
 from . import protocol as p
 from .auth import AuthError, Principal, bearer
-from .closecodes import BACKEND_UNAVAILABLE, FORBIDDEN, TOO_MANY, UNAUTHORIZED
+from .closecodes import BACKEND_UNAVAILABLE, FORBIDDEN, TOO_MANY, TOO_MANY_REASON, UNAUTHORIZED
 from .metrics import COUNTS
 from .runtime import Gateway
 from .session import Receive, Send, Session
 
 log = logging.getLogger("gateway.connect")
-TOO_MANY_REASON = "too many connections"
 
 
 class Admission(NamedTuple):

@@ -3,9 +3,11 @@
 uvicorn's WebSocket protocols re-parse the upgrade request httptools already parsed, keep
 the ASGI scope (every header) and run one ASGI task per connection for its whole life. Here
 :meth:`Host.upgrade` answers the handshake from the request as httptools parsed it, asks
-:meth:`~gateway.connect.SocketEndpoint.admit` (Origin, subprotocol, token, limits), writes
-the 101 and hands the socket to a :class:`GatewayWebSocketProtocol`, which drives the
-:class:`~gateway.session.Session` by callbacks. An idle connection is that protocol object,
+the app's :class:`Endpoint` (:class:`gateway.connect.SocketEndpoint`: Origin, subprotocol,
+token, limits), writes the 101 and hands the socket to a :class:`GatewayWebSocketProtocol`,
+which drives the endpoint's :class:`SocketSession` (:class:`gateway.session.Session`) by
+callbacks. The transport knows both only by the protocols declared here: it imports nothing
+above it. An idle connection is that protocol object,
 its session and the transport: no task, no scope, no parser.
 
 RFC 6455 framing (unmasking, fragmentation, control frames, close handshake, UTF-8 of close
@@ -24,7 +26,8 @@ import asyncio
 import binascii
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from websockets.frames import Opcode
 from websockets.protocol import OPEN, Side
@@ -33,10 +36,7 @@ from websockets.streams import StreamReader
 from websockets.utils import accept_key
 
 from .. import logs
-from ..closecodes import INTERNAL_ERROR, SERVER_RESTART, TOO_MANY
-
-if TYPE_CHECKING:
-    from ..connect import Admission, SocketEndpoint
+from ..closecodes import INTERNAL_ERROR, SERVER_RESTART, TOO_MANY, TOO_MANY_REASON
 
 EXTENSION = "gateway.transport"
 # The lifespan state key under which the app offers its /v1/ws endpoint (see gateway.app).
@@ -58,6 +58,52 @@ class TransportListener(Protocol):
     def on_resume(self) -> None: ...
 
     def on_closing(self) -> None: ...
+
+
+class Decision(Protocol):
+    """What the transport reads of an endpoint's handshake decision (see
+    :class:`gateway.connect.Admission`): not ``allowed`` is HTTP 403; else accepted with
+    ``subprotocol``, then closed at once with ``refusal`` (code, reason) if there is one; a
+    ``ticket`` is still to be redeemed."""
+
+    @property
+    def allowed(self) -> bool: ...
+
+    @property
+    def subprotocol(self) -> str | None: ...
+
+    @property
+    def refusal(self) -> tuple[int, str] | None: ...
+
+    @property
+    def ticket(self) -> str | None: ...
+
+
+class SocketSession(Protocol):
+    """What the protocol drives of an accepted connection's session (called synchronously)."""
+
+    def start(self, head: bytes = b"") -> None: ...
+
+    def received(self, data: bytes, resume_reading: Callable[[], None] | None = None) -> bool: ...
+
+    def ended(self, code: int) -> None: ...
+
+
+D = TypeVar("D", bound=Decision)
+
+
+class Endpoint(Protocol[D]):
+    """What the transport needs of the app's ``/v1/ws`` endpoint, offered in the lifespan
+    state under :data:`ENDPOINT_STATE` (:class:`gateway.connect.SocketEndpoint`)."""
+
+    def admit(self, origin: str | None, authorization: str | None, query_string: bytes,
+              offered: list[str]) -> D: ...
+
+    def redeem(self, admission: D) -> Awaitable[D]: ...
+
+    def session(self, admission: D, scope: dict[str, Any],
+                send: Callable[[dict[str, Any]], Awaitable[None]],
+                connection_id: str) -> SocketSession | None: ...
 
 
 class Flag:
@@ -134,7 +180,7 @@ class Host:
         self.spare_framings: list[Framing] = []  # parsers idle connections gave back
 
     @property
-    def endpoint(self) -> SocketEndpoint | None:
+    def endpoint(self) -> Endpoint[Any] | None:
         return self.app_state.get(ENDPOINT_STATE)
 
     # --- the handshake --------------------------------------------------------------
@@ -223,16 +269,16 @@ class Host:
         task = self.loop.create_task(self._redeem(protocol, endpoint, admission, connection_id))
         protocol.redeeming = task
 
-    async def _redeem(self, protocol: GatewayWebSocketProtocol, endpoint: SocketEndpoint,
-                      admission: Admission, connection_id: str) -> None:
+    async def _redeem(self, protocol: GatewayWebSocketProtocol, endpoint: Endpoint[D],
+                      admission: D, connection_id: str) -> None:
         logs.bind(connection_id=connection_id)
         admission = await endpoint.redeem(admission)
         protocol.redeeming = None
         if not protocol.lost:
             self._open(protocol, endpoint, admission, connection_id, b"")
 
-    def _open(self, protocol: GatewayWebSocketProtocol, endpoint: SocketEndpoint,
-              admission: Admission, connection_id: str, head: bytes) -> None:
+    def _open(self, protocol: GatewayWebSocketProtocol, endpoint: Endpoint[D],
+              admission: D, connection_id: str, head: bytes) -> None:
         """Start the session of an accepted connection, or close it with its refusal.
         ``head`` is the 101 if it is still to be written."""
         session = None
@@ -240,8 +286,6 @@ class Host:
             session = endpoint.session(admission, {"extensions": {EXTENSION: protocol}},
                                        protocol.send, connection_id)
         if session is None:
-            from ..connect import TOO_MANY_REASON
-
             if head:
                 protocol.transport.write(head)
             protocol.close(*(admission.refusal or (TOO_MANY, TOO_MANY_REASON)))
@@ -297,7 +341,7 @@ class GatewayWebSocketProtocol(asyncio.Protocol):
         self.transport = transport
         self.writable = Flag()
         self.listener: TransportListener | None = None
-        self.session: Any = None  # a gateway.session.Session, once accepted
+        self.session: SocketSession | None = None  # once accepted
         self._framing: Framing | None = None  # while bytes are being parsed, or closing
         self._parts: list[bytes] | None = None  # a fragmented message's frames so far
         self._text = False
