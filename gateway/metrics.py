@@ -4,7 +4,9 @@ Modules count in plain integers: ``COUNTS.x += 1`` on :data:`COUNTS` here (the R
 has its own, :data:`~gateway.redis.counters.REDIS`). Nothing on a hot path touches a
 metric object: fan-out adds the size of its sets once per frame, never per recipient.
 On scrape, :func:`families` reads every count, and the state worth a gauge, into
-:class:`Family` values; :mod:`gateway.scrape` turns them into the Prometheus exposition.
+:class:`Family` values; :mod:`gateway.scrape` samples that state from the runtime and turns
+the families into the Prometheus exposition. Nothing here knows the runtime: every module
+counts into this one, so it imports none of them.
 
 Every label takes a value from a small fixed set (a close code, an error code, a frame
 type, an inbox partition's index, a consumer group, a Redis node), never a chat or a user.
@@ -12,14 +14,10 @@ type, an inbox partition's index, a consumer group, a Redis node), never a chat 
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import typing
 from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
-
-from redis.exceptions import RedisError
 
 from . import closecodes
 from . import protocol as p
@@ -28,9 +26,6 @@ from .redis.counters import REDIS
 
 if TYPE_CHECKING:
     from .redis.agent_inbox import InboxGroup
-    from .runtime import Gateway
-
-log = logging.getLogger("gateway.metrics")
 
 PREFIX = "gateway_"
 
@@ -122,33 +117,26 @@ def frame_label(cls: type | None) -> str:
 
 class Sampled:
     """What a scrape asks Redis: readiness as ``/readyz`` reports it, the agent inbox's
-    consumer groups and running turns. Refreshed before each scrape (and each write of
-    this process's multiprocess files), not on any request's path."""
+    consumer groups and running turns. :func:`gateway.scrape.sample` refreshes it before
+    each scrape (and each write of this process's multiprocess files), not on any
+    request's path."""
 
     def __init__(self) -> None:
         self.ready: dict[str, bool] = {}
         self.groups: list[InboxGroup] = []
         self.running: list[int] = []  # turns running, per inbox partition
 
-    async def refresh(self, gateway: Gateway) -> None:
-        report = await gateway.backend.health()
-        report["pubsub"] = "ok" if gateway.hub.connected else "reconnecting"
-        self.ready = {name: state == "ok" for name, state in report.items()}
-        inbox = gateway.conversations.inbox
-        try:
-            self.groups, self.running = await asyncio.gather(inbox.groups(), inbox.running())
-        except (RedisError, OSError) as exc:
-            log.debug("sampling the agent inbox for /metrics: %s", exc)  # readiness tells
-
 
 # --- the families --------------------------------------------------------------------------
 
 
-def families(gateway: Gateway, sampled: Sampled, tasks: int) -> list[Family]:
-    """Every metric of this process, read now (on the event loop's thread); ``tasks`` is
-    how many asyncio tasks it has (counting them costs about a microsecond each)."""
+def families(census: tuple[int, int, int], sampled: Sampled, tasks: int) -> list[Family]:
+    """Every metric of this process, read now (on the event loop's thread). ``census`` is
+    the hub's rooms, members and open streams (:meth:`gateway.hub.Hub.census`); ``tasks``
+    is how many asyncio tasks the process has (counting them costs about a microsecond
+    each)."""
     c, r = COUNTS, REDIS
-    rooms, members, streams = gateway.hub.census()
+    rooms, members, streams = census
     agent = Counter[str]()
     for stats in c.agents:
         agent.update(stats)

@@ -43,6 +43,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.utils import floatToGoString
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -218,6 +219,19 @@ class MetricsPort:
         self._server.server_close()
 
 
+async def sample(gateway: Gateway, sampled: Sampled) -> None:
+    """Refresh ``sampled`` from the runtime: readiness as ``/readyz`` reports it, the
+    agent inbox's consumer groups and its running turns."""
+    report = await gateway.backend.health()
+    report["pubsub"] = "ok" if gateway.hub.connected else "reconnecting"
+    sampled.ready = {name: state == "ok" for name, state in report.items()}
+    inbox = gateway.conversations.inbox
+    try:
+        sampled.groups, sampled.running = await asyncio.gather(inbox.groups(), inbox.running())
+    except (RedisError, OSError) as exc:
+        log.debug("sampling the agent inbox for /metrics: %s", exc)  # readiness tells
+
+
 class Exporter:
     """This process's ``/metrics``: a companion of its :class:`~gateway.runtime.Gateway`
     (started after it), answering on the main port's route or on the metrics port."""
@@ -283,12 +297,12 @@ class Exporter:
         now = time.monotonic()
         if fresh or now - self._tasks_at > TASKS_MAX_AGE:
             self._tasks, self._tasks_at = len(asyncio.all_tasks()), now
-        return families(self.gateway, self.sampled, self._tasks)
+        return families(self.gateway.hub.census(), self.sampled, self._tasks)
 
     async def refresh(self) -> None:
         """Sample Redis (readiness, the agent inbox) for the gauges that need it."""
         try:
-            await asyncio.wait_for(self.sampled.refresh(self.gateway),
+            await asyncio.wait_for(sample(self.gateway, self.sampled),
                                    self.gateway.settings.redis_timeout)
         except TimeoutError:  # a frozen server: not ready, whatever the last sample said
             log.debug("sampling Redis for /metrics timed out")
