@@ -151,17 +151,20 @@ class PublishBody(msgspec.Struct, frozen=True):
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
     events: EventList | UnsetType = UNSET
     attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+    # The turn the events are written for: refused (409) once it has ended, so a late
+    # answer never lands in the next turn. Without it they join whichever turn runs.
+    turn_id: p.NodeId | None = None
 
     def batch(self) -> PublishBatch:
         if not isinstance(self.events, UnsetType):
             if not isinstance(self.type, UnsetType):
                 raise Rejected("unprocessable", "give either `type` (one event) or `events`")
-            return PublishBatch(self.events, self.idempotency_key)
+            return PublishBatch(self.events, self.idempotency_key, self.turn_id)
         if isinstance(self.type, UnsetType):
             raise Rejected("unprocessable", "Object missing required field `type`")
         one = PublishEvent(self.type, self.data, self.durable, self.idempotency_key,
                            self.attempt)
-        return PublishBatch([one], self.idempotency_key)
+        return PublishBatch([one], self.idempotency_key, self.turn_id)
 
 
 # Documents the one-event-or-batch rule PublishBody.batch() enforces.
@@ -219,6 +222,7 @@ class Published(msgspec.Struct, frozen=True):
     seqs: list[int | None]  # one per event: its seq, or null for an ephemeral one
     last_seq: int
     duplicate: bool  # a repeated idempotency_key: the first result, nothing written
+    turn_id: str | None = None  # the turn its durable events were filed under (null: none)
 
 
 class EventFrame(msgspec.Struct, frozen=True):
@@ -383,10 +387,10 @@ async def _published(gateway: Gateway, who: Principal, chat_id: str, body: bytes
     batch = request.batch()
     result = await gateway.conversations.publish(
         who, chat_id, list(batch.events), batch.idempotency_key,
-        in_batch=not isinstance(request.events, UnsetType),
+        in_batch=not isinstance(request.events, UnsetType), turn_id=batch.turn_id,
     )
     return _encode(Published(chat_id, result.epoch, result.seqs, result.last_seq,
-                             result.duplicate))
+                             result.duplicate, result.filed))
 
 
 async def _publish(gateway: Gateway, scope: Scope, receive: Receive,

@@ -196,15 +196,16 @@ class Conversations:
         return p.Ack(req.chat_id, result.seqs[0], None, result.turn_id, False, req.id)
 
     async def publish(self, who: Principal, chat_id: str, events: list[PublishEvent],
-                      idempotency_key: str | None = None, *, in_batch: bool = False
-                      ) -> Published:
+                      idempotency_key: str | None = None, *, in_batch: bool = False,
+                      turn_id: str | None = None) -> Published:
         """Store an agent's ``events``, all or none (one refused refuses them all).
         ``in_batch``: they came as a request's ``events``, so a refusal names the event's
-        index (``$.events[i].data``, else ``$.data``)."""
+        index (``$.events[i].data``, else ``$.data``). ``turn_id``: the turn they are
+        written for, refused once it has ended."""
         out = [to_out_event(e, i if in_batch else None) for i, e in enumerate(events)]
         return await self.store.publish(
             chat_id, out, idempotency_key=f"p:{idempotency_key}" if idempotency_key else None,
-            writer=who.writer(),
+            writer=who.writer(), turn=turn_id or "",
         )
 
     async def create(self, who: Principal, chat_id: str, title: str | None) -> None:

@@ -75,6 +75,8 @@ EventList = Annotated[list[Annotated[PublishEvent, TYPED_EVENT]],
 class PublishBatch(msgspec.Struct, frozen=True):
     events: EventList
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
+    # The turn the events are written for: refused unless it is still the running turn.
+    turn_id: p.NodeId | None = None
 
 
 def clean_title(raw: str) -> str:

@@ -27,7 +27,7 @@ from gateway.redis.agent_inbox import inbox_key
 from gateway.sdk.agent import AgentWorker, Handler, Turn
 from gateway.sdk.demo_agent import handle as demo_handle
 
-from .steps import history, send_message
+from .steps import history, message_and_reply, op, send_message
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
@@ -419,6 +419,52 @@ async def test_cancel_reaches_the_handler_and_ends_the_turn_cancelled(
     assert of_type(frames, "cancel_requested")
     assert frames[-1]["data"]["reason"] == "cancelled"
     assert worker.stats["cancels"] == 1
+
+
+async def test_a_cancelled_turns_late_answer_is_refused_not_filed_under_the_next(
+    gateway: Any, redis_url: str, group: str, user: str, chat_id: str
+) -> None:
+    """The person edits the message with ``cancel: true`` while the answer streams; the
+    handler ignores the cancel and answers a moment later. The late answer is refused
+    (the handler hears it as TurnOver) and never shows inside the edit's new answer."""
+    first_turn: list[str] = []
+    late: list[BaseException] = []
+    edit_answered = asyncio.Event()
+    release = asyncio.Event()
+
+    async def stubborn(turn: Turn) -> None:
+        if not first_turn:
+            first_turn.append(turn.turn_id)
+            await turn.delta("thinking")
+            await release.wait()  # the cancel came and went: it is ignored
+            try:
+                await turn.message("stubborn late answer")
+            except Rejected as exc:
+                late.append(exc)
+                raise
+            return
+        await turn.message("the edit's answer")
+        edit_answered.set()
+
+    async with agent_worker(redis_url, stubborn, group, concurrency=2), \
+            connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        ack, _ = await message_and_reply(ws, chat_id, "first version")
+        await ws.wait_for(lambda f: f["type"] == "delta")
+        edited, _ = await op(ws, chat_id, "edit", msg_id=ack["msg_id"],
+                             text="second version", cancel=True)
+        assert edited["type"] == "ack", edited
+        release.set()  # the first handler answers only now, inside the edit's turn
+        frames = await until_turn_end(ws, chat_id)
+        await asyncio.wait_for(edit_answered.wait(), 10)
+    assert [type(e).__name__ for e in late] == ["TurnOver"]
+    assert late[0].code == "turn_mismatch"  # type: ignore[attr-defined]
+    assert first_turn[0] in late[0].message  # type: ignore[attr-defined]
+    texts = [(f["node"], f["data"]["text"]) for f in frames if f["type"] == "message"]
+    assert texts == [(edited["turn_id"], "the edit's answer")], frames
+    stored = [e for e in await history(gateway, user, chat_id) if e["type"] == "message"]
+    assert [e["data"]["text"] for e in stored] == ["thinking", "the edit's answer"]
+    assert stored[0]["node"] == first_turn[0] and stored[0]["data"]["partial"] is True
 
 
 async def test_cancel_reaches_a_turn_running_on_another_worker(

@@ -240,6 +240,51 @@ async def test_a_running_turn_refuses_operations_unless_cancelled(
             "question", f"re: {'question'}"] and m1
 
 
+async def test_a_publish_that_names_an_ended_turn_is_refused_never_filed_elsewhere(
+        gateway: Any, user: str, chat_id: str) -> None:
+    """Every publish of a turn names it (``turn_id``): once that turn has ended, each of
+    its events is refused, whatever runs now, and the reply says which turn took them."""
+    await create(gateway, user, chat_id)
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        ack, _ = await message_and_reply(ws, chat_id, "question")
+        old = ack["turn_id"]
+        note = {"type": "note", "data": {"n": 1}}
+        body = {"events": [note], "turn_id": old}
+        async with httpx.AsyncClient(base_url=gateway.http) as http:
+            async def post(body: dict[str, Any]) -> httpx.Response:
+                return await http.post(f"/v1/conversations/{chat_id}/events", json=body,
+                                       headers=gateway.headers("agent", "service"))
+
+            ok = await post(body)
+            assert ok.status_code == 200 and ok.json()["turn_id"] == old, ok.text
+            edited, _ = await op(ws, chat_id, "retry", cancel=True)
+            new = edited["turn_id"]
+            late = [{"type": "message", "data": {"text": "late"}, "turn_id": old},
+                    {"type": "delta", "data": {"text": "late"}, "durable": False,
+                     "attempt": "a1", "turn_id": old},
+                    {"events": [note, note], "turn_id": old},
+                    {"type": "title", "data": {"title": "late"}, "turn_id": old}]
+            for body in late:
+                refused = await post(body)
+                assert refused.status_code == 409, (body, refused.text)
+                error = refused.json()["error"]
+                assert error["code"] == "turn_mismatch" and old in error["message"], error
+            # The running turn's own publishes go on; one that names no turn joins it.
+            mine = await post({"type": "message", "data": {"text": "new"}, "turn_id": new})
+            assert mine.status_code == 200 and mine.json()["turn_id"] == new, mine.text
+            anon = await post({"type": "note", "data": {}})
+            assert anon.json()["turn_id"] == new
+            await end_turn(gateway, chat_id, turn_id=new)
+            after = await post({"type": "message", "data": {"text": "later"}, "turn_id": new})
+            assert after.json()["error"]["code"] == "no_active_turn", after.text
+            title = await post({"type": "title", "data": {"title": "Named"}})
+            assert title.status_code == 200 and title.json()["turn_id"] is None
+    stored = await history(gateway, user, chat_id)
+    assert [e["data"].get("text") for e in stored if e["type"] == "message"] == ["new"]
+    assert [e["node"] for e in stored if e["type"] == "note"] == [old, new]
+
+
 async def test_unknown_or_foreign_nodes_are_refused_clearly(
         gateway: Any, user: str, chat_id: str) -> None:
     await create(gateway, user, chat_id)

@@ -68,6 +68,7 @@ class Published(msgspec.Struct, frozen=True):
     cancelled: str | None = None  # the running turn a tree operation ended first
     message: TakenMessage | None = None  # retry, undo: the message answered again, taken back
     msg_id: str | None = None  # the user message the batch added
+    filed: str | None = None  # the turn the batch's other durable events belong to
 
 
 class Meta(msgspec.Struct, frozen=True):

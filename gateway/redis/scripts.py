@@ -141,14 +141,15 @@ class PublishScript:
         self._refusal = msgspec.json.Decoder(_Refusal).decode
 
     def call(self, chat_id: str, events: list[OutEvent], *, fresh: str, create_owner: str,
-             writer: str, idempotency_key: str | None, op: TreeOp | None = None) -> Call:
+             writer: str, idempotency_key: str | None, op: TreeOp | None = None,
+             turn: str = "") -> Call:
         s = self._settings
         keys = _conversation_keys(chat_id, s)
         if idempotency_key is not None:
             keys.append(idem_key(chat_id, idempotency_key))
         args: list[Any] = [room_channel(chat_id), s.history_maxlen, s.idempotency_ttl,
                            create_owner, fresh, chat_id, len(events), writer, self._types,
-                           s.stream_max_bytes, *_op_args(op)]
+                           s.stream_max_bytes, *_op_args(op), turn]
         for event in events:
             args += [event.type, "1" if event.durable else "0", event.data, script_arg(event)]
         return self.script, keys, args

@@ -115,9 +115,11 @@ class Store:
         idempotency_key: str | None = None,
         writer: str = "",
         op: TreeOp | None = None,
+        turn: str = "",
     ) -> Published:
         """Append ``events`` in order, as the tree operation ``op`` if given; raise
-        :class:`Rejected` if the state refuses them."""
+        :class:`Rejected` if the state refuses them. ``turn``: the turn they are written
+        for; refused (``no_active_turn``, ``turn_mismatch``) unless it is the running one."""
         began = perf_counter()
         streamed, started_at = 0, None
         for event in events:  # what the counters need of the batch
@@ -129,7 +131,7 @@ class Store:
         try:
             reply, replicas = await self.pipeline.evalsha_durable(*self._publish.call(
                 chat_id, events, fresh=self._new_epoch(), create_owner=create_owner,
-                writer=writer, idempotency_key=idempotency_key, op=op))
+                writer=writer, idempotency_key=idempotency_key, op=op, turn=turn))
             result = self._publish.decode(reply)
             if not result.duplicate:
                 REDIS.streamed_bytes += streamed

@@ -36,6 +36,9 @@ set; the handler should stop and return (the worker then ends the turn with
 ``reason: cancelled``). A cancel entry is delivered through the group to *one* worker, which
 may not be the one running the turn, so every worker also tails the inbox for cancels, and a
 turn that starts (or restarts) checks its conversation for a ``cancel_requested`` event.
+Every publish names its turn, so a handler that writes on after its turn ended (it ignored
+the cancel, or a tree operation with ``cancel: true`` or the turn timeout ended it) gets
+:class:`TurnOver` from that call, and nothing lands in the turn that runs now.
 
 Publishing goes straight to Redis through :meth:`Store.publish` (the gateway's own Lua
 script): no HTTP hop, and the events reach every gateway process's subscribers at once.
@@ -64,7 +67,7 @@ from ..errors import Rejected
 from ..events import PublishEvent, clean_title, to_out_event
 from ..redis.agent_inbox import AgentInbox
 from ..redis.backend import Backend, Client
-from ..redis.records import Meta, Published
+from ..redis.records import Meta, OutEvent, Published
 from ..redis.store import Store
 from .context import Message, messages_of, window
 
@@ -77,6 +80,13 @@ _decode_json = msgspec.json.decode
 TURN_OVER = frozenset({"no_active_turn", "turn_mismatch", "not_found"})
 UI_SUMMARY_MAX = 120
 CANCEL_SCAN = 500  # durable events after turn_start searched for an early cancel_requested
+
+
+class TurnOver(Rejected):
+    """The turn ended while its handler still wrote (a cancel, an edit or retry with
+    ``cancel: true``, the turn timeout): the gateway refused the event rather than file it
+    under the turn that runs now. ``code`` is ``no_active_turn`` or ``turn_mismatch``. The
+    handler should stop; the worker takes this as the turn's end, not as a failure."""
 
 
 def _text(value: Any) -> str:
@@ -162,7 +172,7 @@ class Turn:
         Raises :class:`Rejected` when refused; for the event itself before anything is
         sent: ``invalid_request`` (a field of the wrong type), ``reserved_type``, or
         ``unprocessable`` (``data`` that both wire formats cannot carry: an integer outside
-        -2**63 .. 2**64 - 1)."""
+        -2**63 .. 2**64 - 1); :class:`TurnOver` once the turn has ended."""
         try:
             event = msgspec.convert({"type": type, "data": data or {}, "durable": durable,
                                      "attempt": self.attempt},
@@ -175,7 +185,18 @@ class Turn:
             idem = f"agent:{self.turn_id}:{key}" if key is not None else self._key(type)
         await self.flush()
         async with self._publishing:
-            return await self.store.publish(self.chat_id, [out], idempotency_key=idem)
+            return await self._publish([out], idem)
+
+    async def _publish(self, events: list[OutEvent], idem: str | None = None) -> Published:
+        """Every publish of the turn names it, so none lands in a later turn."""
+        try:
+            return await self.store.publish(self.chat_id, events, idempotency_key=idem,
+                                            turn=self.turn_id)
+        except Rejected as exc:
+            if exc.code not in ("no_active_turn", "turn_mismatch"):
+                raise
+            self.cancel_event.set()  # over: a handler that looks stops here
+            raise TurnOver(exc.code, exc.message) from None
 
     async def delta(self, text: str) -> None:
         """A piece of the answer as it streams (``delta``, resumable while the turn runs)."""
@@ -238,7 +259,7 @@ class Turn:
             events = [to_out_event(PublishEvent(kind, {"text": "".join(pieces)}, False,
                                                 None, self.attempt))
                       for kind, pieces in pending.items()]
-            await self.store.publish(self.chat_id, events)
+            await self._publish(events)
 
     def _raise_stream_error(self) -> None:
         if self._stream_error is not None:
@@ -698,6 +719,8 @@ class AgentWorker:
             failed = False
             try:
                 await self.handler(turn)
+            except TurnOver as exc:
+                log.info("%r ended while its handler wrote: %s", turn, exc.message)
             except Exception:
                 failed = True
                 self.stats["failed"] += 1

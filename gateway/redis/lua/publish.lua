@@ -21,6 +21,9 @@
 -- ARGV[13] "1": cancel a running turn first (else the operation is refused while one runs)
 -- ARGV[14] the operation's node: the message an edit replaces, the node a switch goes to
 -- ARGV[15] who asks (the head event's "by")   ARGV[16] the msg_id of this batch's message
+-- ARGV[17] the turn the publisher writes for ("" = whichever runs): the batch is refused
+--          (no_active_turn, turn_mismatch) unless that turn is the running one, so a turn
+--          that ended never writes into the next
 -- then 4 per event: type, durable ("1"/"0"), data (JSON, or raw text for title), and one
 -- argument whose meaning depends on the type (OutEvent.script_arg):
 --   user_message  the preview (<= 120 chars), remembered for the conversation list
@@ -62,7 +65,7 @@
 --
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
--- this batch started or cancelled), "created", "head" (the head after), "cancelled" (the
+-- this batch started or cancelled), "filed" (the turn its other durable events belong to), "created", "head" (the head after), "cancelled" (the
 -- turn a cancel: true ended), "message" (retry and undo: {msg_id, seq, frame} of the
 -- message answered again or taken back), "msg_id" (the user
 -- message this batch added), "feed" (the feed
@@ -82,7 +85,8 @@ local channel, chat = ARGV[1], ARGV[6]
 local maxlen = tonumber(ARGV[2])
 local n = tonumber(ARGV[7])
 local max_text = tonumber(ARGV[10])
-local base = 17  -- ARGV index of the first event
+local base = 18  -- ARGV index of the first event
+local named = ARGV[17]
 local op, expected, cancel, target, by, msg_id =
   ARGV[11], ARGV[12], ARGV[13] == '1', ARGV[14], ARGV[15], ARGV[16]
 local tree, starts = KEYS[3], KEYS[4]
@@ -176,17 +180,18 @@ if n == 1 and op == '' and ARGV[base + 1] == '1' then
   if not (CONVERSATION_LEVEL[typ] or TURN_LEVEL[typ] or first_text_key or first_commits)
       and not (idem and redis.call('EXISTS', idem) == 1) then
     local f = redis.call('HMGET', meta, 'epoch', 'owner', 'seq', 'turn_id', 'head')
-    local epoch, owner, head = f[1], f[2], f[5] or ''
-    if epoch and (ARGV[8] == '' or ARGV[8] == owner) then
+    local epoch, owner, head, running = f[1], f[2], f[5] or '', f[4] or ''
+    if epoch and (ARGV[8] == '' or ARGV[8] == owner) and (named == '' or named == running) then
       local at = tonumber(f[3]) + 1
       local seq = tostring(at)
-      append(typ, f[4] or '', seq, ARGV[base + 2], epoch)
+      append(typ, running, seq, ARGV[base + 2], epoch)
       trim(at, head)
       redis.call('HSET', meta, 'seq', seq, 'updated_at', now_text)
       -- written out: cjson.encode of the reply's table costs as much as the append
       local reply = '{"epoch":' .. cjson.encode(epoch) .. ',"seqs":[' .. seq ..
         '],"last_seq":' .. seq .. ',"owner":' .. cjson.encode(owner) ..
-        ',"duplicate":false,"ts":' .. now_text .. ',"head":' .. cjson.encode(head) .. '}'
+        ',"duplicate":false,"ts":' .. now_text .. ',"head":' .. cjson.encode(head) ..
+        (running ~= '' and (',"filed":' .. cjson.encode(running)) or '') .. '}'
       if idem then redis.call('SET', idem, reply, 'EX', ARGV[3]) end
       return reply
     end
@@ -203,7 +208,7 @@ if n == 1 and op == '' and ARGV[base + 1] == '0' and first_text_key then
   local epoch, owner = f[1], f[2]
   local s = parse_stream(f[7])
   if epoch and (ARGV[8] == '' or ARGV[8] == owner) and f[4] == 'running' and not f[8]
-      and s and s.turn == f[5] and s.attempt == ARGV[base + 3] then
+      and s and s.turn == f[5] and s.attempt == ARGV[base + 3] and (named == '' or named == f[5]) then
     local text = delta_text(data)
     if redis.call('STRLEN', first_text_key) + #text <= max_text then
       redis.call('APPEND', first_text_key, text)

@@ -22,7 +22,10 @@ end
 local events = {}
 for i = 0, n - 1 do
   local at = base + i * 4
-  events[#events + 1] = {ARGV[at], ARGV[at + 1] == '1', ARGV[at + 2], ARGV[at + 3]}
+  local typ, arg = ARGV[at], ARGV[at + 3]
+  -- A publisher that names its turn ends or cancels that one, never whichever runs.
+  if (typ == 'turn_end' or typ == 'cancel_requested') and arg == '' then arg = named end
+  events[#events + 1] = {typ, ARGV[at + 1] == '1', ARGV[at + 2], arg}
 end
 
 local function event(i)
@@ -192,6 +195,14 @@ for i = 0, n - 1 do
       status, turn = 'idle', ''
       streamed_bytes = {}
     end
+  elseif named ~= '' and (status ~= 'running' or turn ~= named) then
+    -- Written for a turn that is over: never filed under the one running now.
+    if status ~= 'running' then
+      return refuse('no_active_turn', 'turn ' .. named .. ' has ended; its ' .. typ ..
+                    ' is refused')
+    end
+    return refuse('turn_mismatch', 'turn ' .. named .. ' has ended (turn ' .. turn ..
+                  ' is running); its ' .. typ .. ' is refused')
   elseif text_key[typ] and not durable and status == 'running' then
     local size = streamed_bytes[typ]
     local run = turn .. ' ' .. arg
@@ -222,10 +233,12 @@ local started_or_cancelled = nil
 local message_node = nil  -- the user_message this batch added
 
 -- The node a durable event belongs to ("" for the conversation itself).
+local filed = nil  -- the turn the batch's other durable events belong to
 local function node_of(typ, arg)
   if CONVERSATION_LEVEL[typ] then return '' end
   if typ == 'user_message' then return msg_id end
   if typ == 'turn_start' then return arg end
+  if not TURN_LEVEL[typ] and (m.turn_id or '') ~= '' then filed = filed or m.turn_id end
   return m.turn_id or ''
 end
 
@@ -401,7 +414,7 @@ end
 local result = {epoch = m.epoch, last_seq = seq, owner = m.owner, duplicate = false, ts = now,
                 listed = listed, turn_id = started_or_cancelled, created = created,
                 head = m.head or '', cancelled = cancelled, message = answered,
-                msg_id = message_node}
+                msg_id = message_node, filed = filed}
 if #seqs > 0 then result.seqs = seqs end
 if idem then
   redis.call('SET', idem, cjson.encode(result), 'EX', tonumber(ARGV[3]))
