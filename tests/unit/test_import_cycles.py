@@ -5,60 +5,16 @@ the top of a file, inside a function, and under ``if TYPE_CHECKING:``. A reader 
 all of them, so a circle closed by an import inside a function is still a circle.
 
 ``from a import b`` is an edge to ``a.b`` when that is a module of the package, else to
-``a``. The implicit import of a module's parent packages is not an edge (a package's
-``__init__`` imports nothing of its children here). To see the graph as the test sees it::
+``a``. The implicit import of a module's parent packages is not an edge (else every
+package whose ``__init__`` imports its children would be a circle). To see the graph as the
+test sees it::
 
     .venv/bin/python -m tests.unit.test_import_cycles
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "gateway"
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-
-
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package's modules that ``name`` imports, anywhere in its file."""
-    is_package = path.name == "__init__.py"
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".")
-                if not is_package:
-                    base.pop()
-                base = base[: len(base) - (node.level - 1)]
-                if node.module:
-                    base.append(node.module)
-                source = ".".join(base)
-            else:
-                source = node.module or ""
-            for alias in node.names:
-                child = f"{source}.{alias.name}"
-                found.add(child if child in known else source)
-    return {target for target in found if target in known and target != name}
-
-
-def graph() -> dict[str, set[str]]:
-    found = modules()
-    known = set(found)
-    return {name: imports_of(name, path, known) for name, path in found.items()}
+from .imports import graph
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
