@@ -28,6 +28,7 @@ import pytest
 from gateway.embedded import EmbeddedRedis
 
 from .conftest import GatewayProcess, free_port
+from .netproxy import SilenceableProxy
 from .steps import history_sync as history  # these tests are synchronous
 
 pytestmark = pytest.mark.browser
@@ -702,6 +703,44 @@ def test_offline_mid_answer(page: Any, demo: GatewayProcess, user: str) -> None:
         # by the commit the page held all 100 pieces.
         assert [t for t, _ in samples if t > reconnected], f"no growth after reconnecting: {seen}"
         expect(messages(page, "assistant")).to_have_attribute("data-streamed", "100")
+
+
+def test_a_silent_network_death_mid_answer_reconnects_within_9_s(
+        page: Any, start_gateway: Any, browser_redis: str, user: str) -> None:
+    """The network goes silent (nothing closed: a phone moving from Wi-Fi to cellular) while
+    an answer streams. The page notices in about 5 s; its ticket request must not wait out
+    the dead keep-alive connection it would ride: the new socket opens within 9 s."""
+    port = free_port()
+    with SilenceableProxy("127.0.0.1", port) as proxy:
+        origin = f"http://127.0.0.1:{proxy.port}"
+        gw: GatewayProcess = start_gateway(dev=1, turn_timeout=30, port=port,
+                                           redis_url=browser_redis, demo_agent=0,
+                                           allowed_origins=origin)
+        page.add_init_script(RECORDER)
+        page.goto(f"{origin}/?token={gw.token(user)}")
+        expect(page.get_by_test_id("app")).to_have_attribute("data-ready", "true", timeout=TURN)
+        connection = page.get_by_test_id("connection")
+        expect(connection).to_have_attribute("data-state", "open", timeout=TURN)
+        page.evaluate("() => demo.client.on('state', (s) => __rec.states.push("
+                      "[performance.now(), s.state, s.reason ?? null]))")
+        chat_id = new_chat(page, "/slow")
+        expect(page.get_by_test_id("streaming-text")).to_contain_text("word8", timeout=TURN)
+
+        died = page.evaluate("performance.now()")
+        proxy.silence()
+        expect(connection).not_to_have_attribute("data-state", "open", timeout=10_000)
+        expect(connection).to_have_attribute("data-state", "open", timeout=RECONNECT)
+        states = recorded(page)["states"]
+        opened = next((t for t, state, _ in states if t > died and state == "open"), None)
+        assert opened is not None, states
+        noticed = next(t for t, state, _ in states if t > died and state != "open")
+        trace = [(round(t - died), state, why) for t, state, why in states if t > died]
+        assert noticed - died < 6_000, f"the dead socket noticed late: {trace}"
+        assert opened - died < 9_000, f"the new socket opened {opened - died:.0f} ms after " \
+            f"the network died: {trace}"
+        # The answer resumed on the new connection and ended whole.
+        assert_final_reply(page, gw, user, chat_id)
+        assert_streamed_whole(recorded(page)["streamed"])
 
 
 def test_second_tab_joins_mid_answer(page: Any, browser: Any, demo: GatewayProcess,

@@ -295,6 +295,12 @@ export interface GatewayClientOptions {
   httpUrl?: string;
   /** Every HTTP call gives up after this many ms (default 10000). */
   httpTimeout?: number;
+  /**
+   * On a reconnect, a ticket request with no reply after this many ms (default 1000) is sent
+   * again beside it, on another connection (the first may ride a keep-alive connection that
+   * died with the network), up to 4 at once; the first ticket wins, the rest are aborted.
+   */
+  ticketRetryAfter?: number;
   /** A WHATWG fetch (defaults to globalThis.fetch). */
   fetch?: typeof fetch;
   /** A WHATWG WebSocket constructor (defaults to globalThis.WebSocket). */

@@ -114,6 +114,8 @@ export const CloseCodes = Object.freeze({
 export const TERMINAL_CLOSE_CODES = Object.freeze(new Set([4001, 4003, 4004]));
 /** How long after a 1012 failed attempts keep to restartMaxDelay (ms). */
 const RESTART_WINDOW = 30000;
+// At most this many ticket requests at once on a reconnect (see _ticket).
+const TICKET_ATTEMPTS = 4;
 /** Close codes that ask for a real backoff before the next attempt (never an instant retry). */
 const BUSY_CLOSE_CODES = new Set([4029, 1013]);
 
@@ -516,6 +518,9 @@ export class GatewayClient {
     this._fetch = options.fetch ?? (typeof globalThis.fetch === "function" ? globalThis.fetch.bind(globalThis) : null);
     this.httpUrl = (options.httpUrl ?? httpOrigin(this.url)).replace(/\/+$/, "");
     this._httpTimeout = options.httpTimeout ?? 10000;
+    // After a lost connection the ticket request may ride a keep-alive connection that died
+    // with the network: with no reply within this many ms it is sent again, on another one.
+    this._ticketRetryAfter = options.ticketRetryAfter ?? 1000;
     // A ticket (single use, 30 s) rather than the token in the socket's URL, where a browser
     // would print it in the console for every failed attempt. Same origin only by default:
     // the gateway sends no CORS headers, so a page elsewhere cannot fetch one.
@@ -748,8 +753,7 @@ export class GatewayClient {
     let query = token ? "token=" + encodeURIComponent(token) : "";
     if (token && this._useTicket) {
       try {
-        const { ticket } = /** @type {WsTicket} */ (
-          await this._http("POST", "/v1/ws-ticket", token, undefined, this._httpTimeout));
+        const { ticket } = /** @type {WsTicket} */ (await this._ticket(token, reason === "reconnect"));
         query = "ticket=" + encodeURIComponent(ticket);
       } catch (/** @type {any} */ err) {
         if (generation !== this._generation || this._stopped) return;
@@ -791,6 +795,59 @@ export class GatewayClient {
     this._timer = setTimeout(() => {
       if (this._ws === ws && !this._hello) this._drop(ws, "connect timeout");
     }, this._connectTimeout);
+  }
+
+  /**
+   * A connection ticket (POST /v1/ws-ticket). On a reconnect the network may have just
+   * died under the browser's pooled keep-alive connections, and a request on one of them
+   * waits out its whole timeout (nothing closes it). So a request with no reply within
+   * ticketRetryAfter ms is sent again beside it (it gets another connection: the first is
+   * busy), up to TICKET_ATTEMPTS at once, and one that fails without a reply is sent again
+   * at once; the first ticket wins and the others are aborted, which makes the browser
+   * drop their connections. A reply with an error status ends it.
+   * @param {string} token
+   * @param {boolean} reconnect
+   * @returns {Promise<WsTicket>}
+   */
+  _ticket(token, reconnect) {
+    if (!reconnect) return this._http("POST", "/v1/ws-ticket", token, undefined, this._httpTimeout);
+    return new Promise((resolve, reject) => {
+      /** @type {AbortController[]} */
+      const attempts = [];
+      let failed = 0;
+      let done = false;
+      /** @type {ReturnType<typeof setTimeout> | undefined} */
+      let hedge;
+      const finish = () => {
+        done = true;
+        clearTimeout(hedge);
+        for (const controller of attempts) controller.abort();
+      };
+      const launch = () => {
+        clearTimeout(hedge);
+        if (done || attempts.length >= TICKET_ATTEMPTS) return;
+        const controller = new AbortController();
+        attempts.push(controller);
+        if (attempts.length < TICKET_ATTEMPTS) hedge = setTimeout(launch, this._ticketRetryAfter);
+        this._http("POST", "/v1/ws-ticket", token, undefined, this._httpTimeout, controller.signal).then(
+          (reply) => {
+            if (done) return;
+            finish();
+            resolve(reply);
+          },
+          (/** @type {any} */ err) => {
+            if (done) return;
+            failed++;
+            if (err?.status || failed >= TICKET_ATTEMPTS) {
+              finish();
+              reject(err);
+            } else if (attempts.length < TICKET_ATTEMPTS) {
+              launch();
+            }
+          });
+      };
+      launch();
+    });
   }
 
   /** @param {WebSocket} ws */

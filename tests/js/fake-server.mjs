@@ -137,6 +137,8 @@ export class FakeGateway {
     this.http = createServer((req, res) => {
       const entry = { method: req.method, url: req.url, authorization: req.headers.authorization ?? null };
       this.requests.push(entry);
+      // The client gave up on it (aborted: its connection closed) before any reply.
+      res.on("close", () => { if (!res.writableFinished) entry.abandoned = true; });
       const reply = this.onHttp(entry);
       if (!reply) return; // a request that never completes (a dead keep-alive connection)
       res.writeHead(reply.status, { "content-type": "application/json" });

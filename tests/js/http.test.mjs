@@ -53,8 +53,8 @@ test("a token the ticket endpoint refuses stops the client as 4001 would", async
 test("a ticket endpoint that fails or hangs is retried with backoff, within httpTimeout", async (t) => {
   const { server, client } = await setup(t, { useTicket: true, httpTimeout: 100 });
   const replies = [
-    { status: 503, body: { error: { code: "backend_unavailable", message: "redis: down" } } },
     null, // never answers: the timeout ends it
+    { status: 503, body: { error: { code: "backend_unavailable", message: "redis: down" } } },
   ];
   server.onHttp = (req) => (replies.length ? replies.shift() : server.defaultHttp(req));
   const waits = [];
@@ -64,10 +64,40 @@ test("a ticket endpoint that fails or hangs is retried with backoff, within http
   const conn = await server.accept(client, 1);
   assert.equal(conn.ticket, "tk1");
   assert.deepEqual(waits, [
-    "no connection ticket: redis: down",
     "no connection ticket: POST /v1/ws-ticket: no reply within 100 ms",
+    "no connection ticket: redis: down",
   ]);
   assert.ok(Date.now() - started < 2000, "the hung request was given up on");
+});
+
+test("on a reconnect, a ticket request with no reply is sent again beside it at once", async (t) => {
+  // The network died under the pooled keep-alive connection the request rides: it would
+  // wait out httpTimeout. Another request (on another connection) gets the ticket; the
+  // hung one is aborted, which makes a browser drop its connection.
+  const { server, client } = await setup(t, { useTicket: true, httpTimeout: 10000, ticketRetryAfter: 50 });
+  client.connect();
+  const first = await server.accept(client, 1);
+  let hang = 2;
+  server.onHttp = (req) => (hang-- > 0 ? null : server.defaultHttp(req));
+  const dropped = Date.now();
+  first.drop(1006);
+  const conn = await server.accept(client, 2);
+  assert.ok(Date.now() - dropped < 2000, `reconnected ${Date.now() - dropped} ms after the drop`);
+  assert.equal(conn.ticket, "tk2");
+  const asked = server.requests.slice(1);
+  assert.deepEqual(asked.map((r) => r.url), Array(3).fill("/v1/ws-ticket"));
+  await until(() => asked.slice(0, 2).every((r) => r.abandoned), "the hung requests aborted");
+  // A refusal is final: no request beside it.
+  server.onHttp = () => ({ status: 503, body: { error: { code: "backend_unavailable", message: "down" } } });
+  const waits = [];
+  client.on("state", (s) => {
+    if (s.state === "reconnecting") waits.push([s.reason, server.requests.length]);
+  });
+  const before = server.requests.length;
+  conn.drop(1006);
+  await until(() => waits.length >= 2, "a reconnect scheduled");
+  // The drop, then the refusal after one request.
+  assert.deepEqual(waits.slice(0, 2), [["", before], ["no connection ticket: down", before + 1]]);
 });
 
 test("request() times out, and says what the gateway refused", async (t) => {
