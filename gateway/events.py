@@ -110,10 +110,13 @@ def to_out_event(event: PublishEvent, index: int | None = None) -> OutEvent:
             typed = msgspec.convert(event.data, spec)
         except msgspec.ValidationError as exc:
             raise Rejected("invalid_request", f"{kind}: {exc}") from None
-        _check_carried(typed, index)  # what is stored: its other fields are dropped
         if isinstance(typed, p.TurnEndData):
-            body = _encode({"reason": typed.reason, "usage": typed.usage})
+            # Its counts only: what is stored is what the totals sum, and both wire
+            # formats carry each of them.
+            usage = p.usage_counts(typed.usage) if typed.usage is not None else None
+            body = _encode({"reason": typed.reason, "usage": usage})
             return OutEvent(type=kind, data=body, turn_id=typed.turn_id or "")
+        _check_carried(typed, index)  # what is stored: its other fields are dropped
         if isinstance(typed, p.GoalState):
             if typed.updated_at is None:
                 typed.updated_at = now_ms()

@@ -267,20 +267,43 @@ class GoalState(msgspec.Struct, forbid_unknown_fields=False):
     updated_at: int | None = None
 
 
-# What a turn cost, as its agent reports it (``input_tokens``, ``output_tokens``, ``cost``,
-# or any other count): non-negative numbers, summed into the conversation's totals. The
-# bound keeps every sum exact in a double (Lua's numbers).
+# What a turn cost, as its agent reports it: its provider's usage object as it comes
+# (``input_tokens``, ``cost``, OpenAI's ``prompt_tokens_details: {cached_tokens}``...).
+# usage_counts keeps its counts, summed into the conversation's totals. The bound keeps
+# every sum exact in a double (Lua's numbers).
 USAGE_MAX = 10**15
-UsageName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,63}\Z")]
-UsageValue = (Annotated[int, msgspec.Meta(ge=0, le=USAGE_MAX)]
-              | Annotated[float, msgspec.Meta(ge=0, le=USAGE_MAX)])
-Usage = Annotated[dict[UsageName, UsageValue], msgspec.Meta(max_length=32)]
+USAGE_NAMES_MAX = 32
+USAGE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}\Z")
+USAGE_DEPTH_MAX = 4
+
+
+def usage_counts(usage: dict[str, Any]) -> dict[str, int | float]:
+    """The counts of a usage object: each number from 0 to ``USAGE_MAX``, by its name, a
+    nested one under a dotted name (``prompt_tokens_details.cached_tokens``). Anything else
+    (text, booleans, lists, a name past 64 characters, a count past the 32nd) is not a
+    count and is dropped: a turn's end is never refused for its usage."""
+    counts: dict[str, int | float] = {}
+
+    def walk(prefix: str, value: Any, depth: int) -> None:
+        if isinstance(value, dict):
+            if depth < USAGE_DEPTH_MAX:
+                for name, inner in value.items():
+                    walk(f"{prefix}{name}.", inner, depth + 1)
+            return
+        name = prefix[:-1]
+        if (type(value) in (int, float) and 0 <= value <= USAGE_MAX
+                and len(counts) < USAGE_NAMES_MAX and USAGE_NAME_RE.match(name)):
+            counts[name] = value
+
+    walk("", usage, 0)
+    return counts
 
 
 class TurnEndData(msgspec.Struct):
     reason: Literal["complete", "cancelled", "error", "timeout"] = "complete"
     turn_id: str | None = None
-    usage: Usage | None = None
+    # Any object: its counts are kept (usage_counts), the rest dropped.
+    usage: dict[str, Any] | None = None
 
 
 class TitleData(msgspec.Struct):
@@ -337,11 +360,13 @@ JSON_VALUE = "JsonValue"
 CARRIED_VALUE = {"$ref": f"#/components/schemas/{JSON_VALUE}"}
 CARRIED_DATA = {"type": "object", "additionalProperties": CARRIED_VALUE}
 JSON_VALUE_SCHEMA: dict[str, Any] = {
-    "description": "Any JSON value; a number only from -2^63 to 2^64 - 1 (both wire formats "
-                   "carry every integer in it; a float past it is taken too).",
+    "description": "Any JSON value. An integer is refused (422) outside -2^63 to 2^64 - 1, "
+                   "which both wire formats carry; a number with a fraction or an exponent "
+                   "is a float and taken whatever its size. (A schema cannot tell the two "
+                   "apart: 1e300 is an integer to it.)",
     "anyOf": [
         {"type": ["string", "boolean", "null"]},
-        {"type": "number", "minimum": -(2**63), "maximum": 2**64 - 1},
+        {"type": "number"},
         {"type": "array", "items": CARRIED_VALUE},
         {"type": "object", "additionalProperties": CARRIED_VALUE},
     ],

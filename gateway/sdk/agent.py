@@ -310,9 +310,11 @@ class Turn:
                   reason: str = "complete") -> Published | None:
         """End this turn (``turn_end``, only if it is still the running one).
 
-        ``usage`` is what the turn cost: non-negative numbers by name, usually
-        ``input_tokens``, ``output_tokens``, ``cached_tokens`` and ``cost`` (in your
-        currency). The conversation sums them into its totals (protocol.md, "Usage"); a turn
+        ``usage`` is what the turn cost: your provider's usage object as it comes, or
+        numbers by name, usually ``input_tokens``, ``output_tokens``, ``cached_tokens`` and
+        ``cost`` (in your currency). Its numbers are counted (nested ones under a dotted
+        name), the rest dropped, and summed into the conversation's totals (protocol.md,
+        "Usage"); a turn
         that ended without its agent (cancelled by a tree operation, timed out) still has its
         usage counted, once.
 

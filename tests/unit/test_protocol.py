@@ -234,3 +234,15 @@ def test_ack_error_and_pong(codec: p.Codec) -> None:
     for frame in (p.Unsubscribed("c1", 2), p.Left("c1", 3)):
         assert read(codec, codec.encode(frame)) == {"type": frame.__struct_config__.tag,
                                                    "chat_id": "c1", "id": frame.id}
+
+
+def test_usage_counts_keep_each_number_and_drop_the_rest() -> None:
+    usage = {"prompt_tokens": 9, "model": "gpt-4o", "cost": 0.5, "flag": True,
+             "prompt_tokens_details": {"cached_tokens": 3, "note": "x"},
+             "neg": -1, "huge": p.USAGE_MAX + 1, "edge": p.USAGE_MAX, "bad name": 1}
+    assert p.usage_counts(usage) == {"prompt_tokens": 9, "cost": 0.5,
+                                     "prompt_tokens_details.cached_tokens": 3,
+                                     "edge": p.USAGE_MAX}
+    many = {f"n{i}": i for i in range(40)}
+    assert list(p.usage_counts(many)) == [f"n{i}" for i in range(p.USAGE_NAMES_MAX)]
+    assert p.usage_counts({"a": {"b": {}}, "c": []}) == {}
