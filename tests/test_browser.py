@@ -1126,6 +1126,42 @@ def test_type_at_once_and_send_becomes_stop(page: Any, demo: GatewayProcess, use
     assert_transcript(page, demo, user, chat_id)
 
 
+def test_a_message_too_long_stays_in_the_box(page: Any, demo: GatewayProcess, user: str) -> None:
+    open_app(page, demo, user)
+    box = page.get_by_test_id("message-input")
+    hint = page.get_by_test_id("composer-hint")
+    long_text = "x" * 40_000  # the gateway takes 32 KiB of text
+
+    def refused() -> None:
+        expect(hint).to_contain_text("Too long to send: shorten it by about 7,232 characters.")
+        expect(hint).to_contain_text("up to 32,768 bytes")
+        expect(hint).to_have_attribute("aria-live", "polite")
+        expect(box).to_have_value(long_text)  # kept, to shorten
+        expect(box).to_have_attribute("aria-invalid", "true")
+        expect(page.get_by_test_id("pending-message")).to_have_count(0)
+
+    # A new chat: nothing is created for a message that cannot go.
+    box.fill(long_text)
+    box.press("Enter")
+    refused()
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-chat-id", "")
+    # In a chat: nothing is sent; shortened, it goes.
+    box.fill("")
+    chat_id = new_chat(page, "hello")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    box.fill(long_text)
+    page.get_by_test_id("send").click()
+    refused()
+    box.fill(long_text[:32_000])
+    expect(box).not_to_have_attribute("aria-invalid", "true")
+    expect(hint).not_to_contain_text("Too long")
+    box.press("Enter")
+    expect(messages(page, "user")).to_have_count(2, timeout=TURN)
+    expect(box).to_have_value("")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(2, timeout=TURN)
+    assert_transcript(page, demo, user, chat_id)
+
+
 @pytest.mark.parametrize("size", ["phone", "zoom200"])
 def test_phone_layout(page: Any, demo: GatewayProcess, user: str, size: str,
                       tmp_path: Path) -> None:

@@ -29,6 +29,9 @@ let everConnected = false;
 let blocked = false; // the token was refused: nothing that needs the gateway can work
 let editingTitle = null; // chat_id whose title is being edited in the sidebar
 let confirmingDelete = null; // chat_id whose deletion awaits a confirmation
+// The longest message text the gateway takes, in UTF-8 bytes (hello's limits say; this is
+// its default until the first hello).
+let maxTextBytes = 32768;
 
 /**
  * The token from `?token=` (kept in sessionStorage for reloads of this tab, then taken out
@@ -488,13 +491,51 @@ function deliver(m, clientMsgId, text) {
     },
     (err) => {
       const p = m.pending.get(clientMsgId);
-      if (p) {
+      if (p && err?.code === "text_too_long") {
+        // Refused as too long (a limit this page did not know): the text goes back in the
+        // box, to shorten, rather than into a failed bubble.
+        m.pending.delete(clientMsgId);
+        const input = $("input");
+        if (m.chatId === active && !input.value.trim()) {
+          input.value = p.text;
+          autosize();
+        }
+        hint(`Too long to send: ${describe(err)} Shorten it and send again.`, "too-long");
+      } else if (p) {
         p.state = "failed";
         p.error = describe(err);
       }
       scheduleRender();
     },
   );
+}
+
+/**
+ * Why `text` is too long to send, in words (null when it fits): the gateway would refuse it,
+ * so it is never sent, and the text stays where the person can shorten it.
+ */
+function tooLong(text) {
+  const bytes = new TextEncoder().encode(text).length;
+  if (bytes <= maxTextBytes) return null;
+  const number = (n) => n.toLocaleString("en");
+  // Over by this many bytes: as many plain letters (accents and emoji take 2 to 4 each).
+  return `Too long to send: shorten it by about ${number(bytes - maxTextBytes)} characters. `
+    + `A message can be up to ${number(maxTextBytes)} bytes (as many plain letters; `
+    + "accents and emoji take 2 to 4 each).";
+}
+
+/** The composer's text is too long (or fits again): say so under it, and mark it. */
+function checkLength() {
+  const input = $("input");
+  const why = tooLong(input.value.trim());
+  if (why) {
+    hint(why, "too-long");
+    input.setAttribute("aria-invalid", "true");
+  } else if (input.hasAttribute("aria-invalid")) {
+    input.removeAttribute("aria-invalid");
+    if ($("composer-hint").dataset.kind === "too-long") hint();
+  }
+  return !why;
 }
 
 function send() {
@@ -507,6 +548,10 @@ function send() {
     // Not queued: the answer may change what the user wants to say. The text stays.
     hint("The agent is still answering: press Stop, or wait and then send.", "busy");
     return;
+  }
+  if (!checkLength()) {
+    input.focus();
+    return; // not sent: it stays in the box, to shorten
   }
   hint();
   input.value = "";
@@ -591,9 +636,14 @@ function startEdit(m, msgId, text) {
 
 function saveEdit(m, text) {
   const editing = m.editing;
-  if (!editing) return;
+  if (!editing) return false;
   const value = text.trim();
-  if (!value) return;
+  if (!value) return false;
+  const why = tooLong(value);
+  if (why) {
+    notice(why); // the editor stays open, with the text
+    return false;
+  }
   m.editing = null;
   scheduleRender();
   client.edit(m.chatId, editing.msgId, value).catch((err) => notice(describe(err)));
@@ -960,7 +1010,10 @@ function editorNode(m, it) {
   const input = h("textarea", { class: "edit-input", "data-testid": "edit-input", "aria-label": "Edited message", rows: 2 });
   input.value = m.editing?.text ?? it.text;
   const cancel = () => { m.editing = null; m.nodes.delete(key); scheduleRender(); };
-  const save = () => { m.nodes.delete(key); saveEdit(m, input.value); };
+  const save = () => {
+    if (m.editing) m.editing.text = input.value;
+    if (saveEdit(m, input.value) !== false) m.nodes.delete(key);
+  };
   input.addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); save(); }
     else if (ev.key === "Escape") cancel();
@@ -1177,7 +1230,10 @@ function wire() {
   $("composer").addEventListener("submit", (ev) => { ev.preventDefault(); send(); });
   $("stop").addEventListener("click", stop);
   $("undo").addEventListener("click", undo);
-  $("input").addEventListener("input", autosize);
+  $("input").addEventListener("input", () => {
+    autosize();
+    if ($("input").hasAttribute("aria-invalid")) checkLength(); // shortened enough yet?
+  });
   addEventListener("resize", autosize);
   $("input").addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
@@ -1214,6 +1270,7 @@ async function boot() {
     render(); // now, not at the next frame: the header stops saying "answering" with the socket
   });
   client.on("hello", (hello) => {
+    maxTextBytes = hello.limits?.max_text_bytes ?? maxTextBytes;
     $("whoami").textContent = `signed in as ${hello.user_id}`;
     if (everConnected && active && !model(active).loaded) openChat(model(active));
     everConnected = true;
