@@ -136,6 +136,31 @@ class SwitchBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 LastEventId = Annotated[str, msgspec.Meta(pattern=sse.LAST_EVENT_ID_RE.pattern)]
 
 
+# Each event's data: one line of JSON (protocol.md, "Server-Sent Events").
+_SSE_DATA = msgspec.Meta(extra_json_schema={
+    "contentMediaType": "application/json",
+    "contentSchema": {"type": "object", "required": ["chat_id"],
+                      "properties": {"chat_id": {"type": "string"}}},
+    "description": "one line of JSON: the event frame as stored (`type`, `chat_id`, `seq`, "
+                   "`ts`, `data`, ...); for `ready` and `reset` the conversation's state "
+                   "`{chat_id, epoch, seq, recovered, status, title, turn_id, started_at, "
+                   "goal_state, usage, message_count}`; for `stream` an open stream "
+                   "`{chat_id, id, type, turn_id, text, pos}`",
+})
+
+
+class StreamEvent(msgspec.Struct, frozen=True):
+    """One event of ``GET .../stream`` as an SSE client parses it (``: ping`` comments
+    carry no event)."""
+
+    # The frame's type, or `ready`, `reset` (where the stream starts) or `stream`.
+    event: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_.]{0,63}$")]
+    data: Annotated[str, _SSE_DATA]
+    # `<epoch>:<seq>`, or `<epoch>:<seq>:<stream>:<pos>` on a streamed piece; the position
+    # to resume from. Only `deleted` has none.
+    id: LastEventId | UnsetType = UNSET
+
+
 class StreamQuery(msgspec.Struct, frozen=True):
     # The Last-Event-ID header wins over it; sse.endpoint checks both with this pattern.
     last_event_id: LastEventId | UnsetType = UNSET
@@ -698,7 +723,8 @@ async def switch(request: Request) -> Response:
     "`text/event-stream`, resumable with the `Last-Event-ID` header (which wins) or "
     "`?last_event_id=`; the events and ids are described in protocol.md, "
     "\"Server-Sent Events\". Refusals come before the stream.",
-    query=StreamQuery, reply=str, media_type=EVENT_STREAM, errors=(400, 403, 404, 503),
+    query=StreamQuery, reply=StreamEvent, media_type=EVENT_STREAM,
+    errors=(400, 403, 404, 503),
 )
 async def stream(request: Request) -> Response:
     return await sse.endpoint(request)

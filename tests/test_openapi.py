@@ -16,6 +16,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import httpx
 import msgspec
 import pytest
@@ -143,6 +144,40 @@ def test_the_stream_refuses_as_documented(gateway: Any, user: str, chat_id: str)
         lines = reply.iter_lines()
         first = [next(lines) for _ in range(3)]
         assert first[1] == "event: ready" and first[2].startswith("data: {"), first
+
+
+@pytest.mark.anyio
+async def test_the_streams_events_keep_the_contract(gateway: Any, user: str,
+                                                    chat_id: str) -> None:
+    """schemathesis parses the stream into events and validates each (``id``, ``event``,
+    ``data``) against the declared schema (ST108): ``ready``, an open answer's ``stream``
+    event, and a replay from ``last_event_id``. It reads until the stream goes quiet for
+    ``timeout`` seconds."""
+    stream = FULL[STREAM]["GET"]
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        (await http.post("/v1/conversations", json={"chat_id": chat_id},
+                         headers=gateway.headers(user))).raise_for_status()
+        async with connect(gateway.url(user)) as ws:
+            await ws.subscribe(chat_id)
+            turn_id = await start_turn(ws, chat_id)
+        events = [{"type": "note", "data": {"n": 1}},
+                  {"type": "delta", "data": {"text": "par"}, "durable": False, "attempt": "a"}]
+        (await http.post(f"/v1/conversations/{chat_id}/events",
+                         json={"events": events, "turn_id": turn_id},
+                         headers=gateway.headers("agent", "service"))).raise_for_status()
+        epoch = (await http.get(f"/v1/conversations/{chat_id}",
+                                headers=gateway.headers(user))).json()["epoch"]
+
+    def read(query: dict[str, str]) -> set[str]:
+        case = stream.Case(path_parameters={"chat_id": chat_id}, query=query)
+        reply = case.call_and_validate(base_url=gateway.http, headers=gateway.headers(user),
+                                       checks=CHECKS, timeout=1)
+        assert reply.status_code == 200
+        return {line[7:] for line in reply.text.splitlines() if line.startswith("event: ")}
+
+    assert await anyio.to_thread.run_sync(read, {}) == {"ready", "stream"}
+    replayed = await anyio.to_thread.run_sync(read, {"last_event_id": f"{epoch}:0"})
+    assert {"user_message", "turn_start", "head", "note", "stream"} <= replayed, replayed
 
 
 @pytest.mark.anyio
