@@ -1020,10 +1020,23 @@ def axe_problems(page: Any, state: str) -> list[str]:
         page.route("**/__axe.js", lambda route: route.fulfill(
             body=AXE.read_text(), content_type="text/javascript"))
         page.add_script_tag(url="/__axe.js")
-    result = page.evaluate("() => axe.run(document, {resultTypes: ['violations']})")
-    return [f"{state}: {v['id']} ({v['impact']}): {v['help']} at "
-            f"{[n['target'] for n in v['nodes']][:3]}"
-            for v in result["violations"] if v["impact"] in ("serious", "critical")]
+    # target-size (WCAG 2.2's 2.5.8, tagged wcag22aa) is off unless asked for.
+    result = page.evaluate("() => axe.run(document, {resultTypes: ['violations'], "
+                           "rules: {'target-size': {enabled: true}}})")
+    problems = [f"{state}: {v['id']} ({v['impact']}): {v['help']} at "
+                f"{[n['target'] for n in v['nodes']][:3]}"
+                for v in result["violations"] if v["impact"] in ("serious", "critical")]
+    # axe passes a small target with room around it; a finger needs the target itself.
+    small = page.eval_on_selector_all(
+        "button, a[href], input, textarea, select",
+        """els => els.filter(e => e.checkVisibility() && !e.closest('[inert]')).map(e => {
+          const r = e.getBoundingClientRect();
+          return [e.dataset.testid || e.id || e.tagName, Math.round(r.width * 10) / 10,
+                  Math.round(r.height * 10) / 10];
+        }).filter(([, w, h]) => w < 24 || h < 24)""")
+    problems += [f"{state}: {name} is {w}x{h} px, under 24x24 (WCAG 2.5.8)"
+                 for name, w, h in small]
+    return problems
 
 
 def tab_stops(page: Any, count: int) -> list[dict[str, Any]]:
@@ -1263,6 +1276,14 @@ def test_accessible_transcript_and_controls(page: Any, demo: GatewayProcess, use
         assert "new-chat" not in reached and "open-drawer" in reached, reached
     page.get_by_test_id("stop").click()
     expect(page.get_by_test_id("send")).to_be_visible(timeout=TURN)
+
+    # Every control of the transcript on screen: versions (‹ 2/2 ›), Edit, Retry.
+    stopped = head_of(page)
+    page.get_by_role("button", name="Retry: answer this message again").click()
+    answered(page, head_moved(page, stopped))
+    for control in ("fork-prev", "fork-position", "fork-next", "edit", "retry"):
+        expect(page.get_by_test_id(control).first).to_be_visible()
+    problems += axe_problems(page, "versions, Edit and Retry")
 
     show_sidebar(page)
     problems += axe_problems(page, "the conversation list")
