@@ -8,11 +8,12 @@ import os
 import secrets
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from . import logs
+from . import discovery, logs
 from .auth import Principal, issue_token
 from .config import ConfigError, Settings, data_path, load_settings
 from .errors import Rejected
@@ -41,14 +42,28 @@ def _secret(settings: Settings, create: bool = False) -> str:
     return settings.secret or _stored_secret(settings, create)
 
 
+def _client_settings(data_dir: str | None, **overrides: Any) -> Settings:
+    """Settings for the commands that talk to a serving gateway: its data directory (the
+    secret, the embedded server's socket) found from any folder (:mod:`.discovery`)."""
+    settings = load_settings(data_dir=data_dir, **overrides)
+    if data_dir is None and "GATEWAY_DATA_DIR" not in os.environ:
+        found, _ = discovery.find_data_dir(settings.data_dir)
+        settings = msgspec.structs.replace(settings, data_dir=str(found))
+    return settings
+
+
 def _redis_url(settings: Settings) -> str:
     if settings.redis_url:
         return settings.redis_url
-    sock = data_path(settings) / "redis.sock"
+    sock = data_path(settings) / discovery.SOCKET
     if sock.exists():
         return f"unix://{sock}"
-    raise ConfigError("GATEWAY_REDIS_URL is not set and no embedded server is running "
-                      f"in {data_path(settings)}")
+    raise ConfigError(
+        f"GATEWAY_REDIS_URL is not set and no embedded server is running in "
+        f"{data_path(settings)} (nor in a .gateway folder above it, nor where the last "
+        f"`gateway serve` ran). Start one (`scripts/serve`, or `gateway serve`), or point "
+        f"at yours: --data-dir /path/to/.gateway, or GATEWAY_REDIS_URL=redis://host:6379/0 "
+        f"(`gateway serve` prints its embedded server's unix:// URL when it starts)")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -135,6 +150,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ["GATEWAY_SECRET"] = _secret(settings, create=embedded is not None or settings.dev)
     for name in ("host", "port", "data_dir"):
         os.environ[f"GATEWAY_{name.upper()}"] = str(getattr(settings, name))
+    if embedded is not None or settings.dev:
+        demo = load_settings().demo_agent
+        discovery.leave_note(data_path(settings), demo)
+        if demo:
+            print("the demo agent answers; for your own: GATEWAY_DEMO_AGENT=0, then "
+                  "`gateway agent MODULE:HANDLER` from any folder", flush=True)
     if settings.dev:
         os.environ["GATEWAY_DEV"] = "1"
         token = issue_token(os.environ["GATEWAY_SECRET"], "dev", ttl=7 * 86400)
@@ -173,13 +194,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if metrics_port is not None:
             metrics_port.close()
         scrape.remove_multiprocess_dir(made_dir)
+        discovery.remove_note()
         if embedded is not None:
             embedded.stop()
     return 0
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    settings = load_settings(data_dir=args.data_dir)
+    settings = _client_settings(args.data_dir)
     print(issue_token(_secret(settings), args.sub, args.role, args.ttl))
     return 0
 
@@ -194,7 +216,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"invalid event: {exc}", file=sys.stderr)
         return 2
-    settings = load_settings(data_dir=args.data_dir)
+    settings = _client_settings(args.data_dir)
 
     async def run() -> Any:
         from .conversations import Conversations
@@ -226,7 +248,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="gateway tail: %(message)s")
-    settings = load_settings(data_dir=args.data_dir)
+    settings = _client_settings(args.data_dir)
     secret = _secret(settings)
     base = (args.url or f"ws://{settings.host}:{settings.port}").rstrip("/")
     base = base.removesuffix("/v1/ws")
@@ -269,13 +291,23 @@ def cmd_tail(args: argparse.Namespace) -> int:
 def cmd_agent(args: argparse.Namespace) -> int:
     from .sdk.agent import load_handler, serve
 
-    settings = load_settings(redis_url=args.redis_url, data_dir=args.data_dir)
+    settings = _client_settings(args.data_dir, redis_url=args.redis_url)
     logs.configure(settings.log_format, args.log_level)
+    # As `uvicorn module:app` does: a module in the current folder is found.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         handler = load_handler(args.handler)
     except (ImportError, AttributeError, ValueError) as exc:
         print(f"gateway agent: cannot load {args.handler}: {exc}", file=sys.stderr)
         return 2
+    note = discovery.read_note()
+    if (not settings.redis_url and note is not None and note.demo_agent
+            and Path(note.data_dir) == data_path(settings)):
+        print("gateway agent: the gateway serving from "
+              f"{note.data_dir} runs the demo agent too, and the two share its turns; "
+              "restart it with GATEWAY_DEMO_AGENT=0 to have this agent answer them all",
+              file=sys.stderr, flush=True)
     return asyncio.run(serve(
         handler, _redis_url(settings), settings, group=args.group, consumer=args.consumer,
         concurrency=args.concurrency, claim_idle=args.claim_idle, start_id=args.start_id))

@@ -91,8 +91,11 @@ class EmbeddedRedis:
             "--logfile", str(self.data_dir / "redis.log"),
         ]
         parent = os.getpid()
+        # A process group of its own: a terminal's Ctrl-C reaches the gateway alone, which
+        # then stops the server in order (else the server exits first, and is restarted).
         self.process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, preexec_fn=lambda: _die_with_parent(parent)
+            args, stdin=subprocess.DEVNULL, preexec_fn=lambda: _die_with_parent(parent),
+            process_group=0,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
