@@ -852,6 +852,57 @@ def test_retry_the_last_answer(page: Any, demo: GatewayProcess, user: str) -> No
     assert_transcript(page, demo, user, chat_id)
 
 
+LAYOUT_RECORDER = r"""
+(() => {
+  // Every order the transcript's last exchange was shown in: U user message, UB its
+  // controls, S the answer being written, A the answer stored, N a note, L the turn's end,
+  // TB the turn's controls (Retry, versions).
+  window.__layouts = [];
+  const label = (el) => el.dataset.testid === "streaming" ? "S"
+    : el.dataset.testid === "turn-bar" ? "TB" : el.dataset.testid === "user-bar" ? "UB"
+    : el.dataset.testid === "turn-latency" ? "L" : el.dataset.testid === "note" ? "N"
+    : el.classList.contains("user") ? "U" : el.classList.contains("assistant") ? "A" : "?";
+  const look = () => {
+    const box = document.querySelector('[data-testid="messages"]');
+    if (!box) return;
+    const all = [...box.children].map(label);
+    const last = all.lastIndexOf("U");
+    const shown = all.slice(last).join(" ");
+    if (window.__layouts.at(-1) !== shown) window.__layouts.push(shown);
+  };
+  new MutationObserver(look).observe(document, { subtree: true, childList: true });
+})();
+"""
+
+
+def test_the_controls_stay_below_the_answer_as_it_streams(page: Any, demo: GatewayProcess,
+                                                         user: str) -> None:
+    """Retry (greyed while it runs), the versions and "stop requested" sit below the answer
+    while it is written and after it is stored: nothing jumps when it ends."""
+    page.add_init_script(LAYOUT_RECORDER)
+    open_app(page, demo, user)
+    new_chat(page, "/slow")
+    streaming = page.get_by_test_id("streaming-text")
+    expect(streaming).to_contain_text("word3", timeout=TURN)
+    expect(page.get_by_test_id("retry")).to_be_disabled()
+    page.get_by_test_id("stop").click()
+    latency = page.get_by_test_id("turn-latency")
+    expect(latency).to_have_attribute("data-reason", "cancelled", timeout=TURN)
+    # Again, as the second version: "‹ 2/2 › Retry" under the answer being written.
+    page.get_by_test_id("retry").click()
+    expect(streaming).to_contain_text("word3", timeout=TURN)
+    expect(page.get_by_test_id("fork-position")).to_have_text("2/2")
+    page.get_by_test_id("stop").click()
+    expect(latency).to_have_attribute("data-reason", "cancelled", timeout=TURN)
+    layouts = page.evaluate("window.__layouts")
+    assert "U UB S TB" in layouts, layouts
+    assert "U UB A N L TB" == layouts[-1], layouts
+    for shown in layouts[layouts.index("U"):]:
+        # The answer (being written or stored) comes right after the message's controls;
+        # its notes, its end and its controls after it.
+        assert re.fullmatch(r"U( UB)?( [SA])?( N)*( L)?( TB)?", shown), layouts
+
+
 def test_edit_a_message_inline(page: Any, demo: GatewayProcess, user: str) -> None:
     open_app(page, demo, user)
     draft(page)

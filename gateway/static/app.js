@@ -206,7 +206,7 @@ function applyEvent(f) {
       insertItem(m, { seq: f.seq, kind: "note", text: `tool: ${d.name ?? "?"}` }, f);
       break;
     case "cancel_requested":
-      insertItem(m, { seq: f.seq, kind: "note", text: "stop requested" }, f);
+      insertItem(m, { seq: f.seq, kind: "note", text: "stop requested", late: true }, f);
       break;
     case "goal_state":
       setGoal(m, d, f.seq);
@@ -1027,32 +1027,72 @@ function editorNode(m, it) {
   return node;
 }
 
+/** The answer being written (and an attempt it started over from), if any. */
+function streamNodes(m) {
+  const nodes = [];
+  if (m.discarded && !m.discarded.startsWith(m.streaming)) nodes.push(discardedNode(m));
+  if (m.streaming || m.discarded) nodes.push(streamingNode(m));
+  return nodes;
+}
+
+/**
+ * A turn's notes about its end ("stop requested") go after its answer, wherever they fall
+ * in seq order: below the answer while it is written and once it is stored alike.
+ */
+function answerFirst(items) {
+  const out = items.filter((it) => !it.late);
+  for (const note of items.filter((it) => it.late)) {
+    let at = -1;
+    out.forEach((it, i) => { if (it.node === note.node && it.kind !== "turn_end") at = i + 1; });
+    if (at < 0) at = out.findIndex((it) => it.node === note.node && it.kind === "turn_end");
+    if (at < 0) at = out.findIndex((it) => it.seq > note.seq);
+    out.splice(at < 0 ? out.length : at, 0, note);
+  }
+  return out;
+}
+
 /**
  * The chat's items on its active path, in order, each node's controls after its last item.
- * Until the head is known (a gateway without trees), every item.
+ * The answer being written goes where its turn's answer will be: after the turn's earlier
+ * items, before its end notes and its controls, so nothing moves when it is stored.
+ * Until the head is known (a gateway without trees), every item. `placed`: whether the
+ * answer being written is among them (else it goes after the messages being sent).
  */
 function pathNodes(m) {
   const tree = client?.tree(m.chatId);
-  if (!tree?.headKnown) return m.items.map((it) => itemNode(m, it));
+  if (!tree?.headKnown) return { nodes: m.items.map((it) => itemNode(m, it)), placed: false };
   const busy = m.status === "running";
-  const shown = m.items.filter((it) => tree.visible(it));
+  const shown = answerFirst(m.items.filter((it) => tree.visible(it)));
   const path = tree.path();
+  // The turn whose answer is being written (a plain delta with no turn: after everything).
+  const writing = (m.streaming || m.discarded) && m.turnId && path.includes(m.turnId) ? m.turnId : null;
   const lastOf = new Map(); // node -> index of its last item shown
   shown.forEach((it, i) => { if (it.node) lastOf.set(it.node, i); });
   const nodes = [];
+  let placed = false;
+  const placeStream = (node) => {
+    if (placed || node !== writing) return;
+    placed = true;
+    nodes.push(...streamNodes(m));
+  };
   shown.forEach((it, i) => {
+    if (it.late || it.kind === "turn_end") placeStream(it.node);
     nodes.push(it.kind === "user" && m.editing?.msgId === it.node ? editorNode(m, it) : itemNode(m, it));
     if (!it.node || lastOf.get(it.node) !== i) return;
     if (it.kind !== "user") {
+      placeStream(it.node);
       nodes.push(barNode(m, tree, it.node, "turn", busy));
       return;
     }
     nodes.push(barNode(m, tree, it.node, "user", busy));
     // Its answer has nothing to show yet (just started): its controls go here.
     const turn = path[path.indexOf(it.node) + 1];
-    if (turn && !lastOf.has(turn)) nodes.push(barNode(m, tree, turn, "turn", busy));
+    if (turn && !lastOf.has(turn)) {
+      placeStream(turn);
+      nodes.push(barNode(m, tree, turn, "turn", busy));
+    }
   });
-  return nodes.filter((n) => n != null);
+  return { nodes: nodes.filter((n) => n != null), placed };
 }
 
 /**
@@ -1139,10 +1179,10 @@ function renderChat() {
   const box = $("messages");
   const nodes = [];
   if (m) {
-    nodes.push(...pathNodes(m));
+    const path = pathNodes(m);
+    nodes.push(...path.nodes);
     for (const [id, p] of m.pending) nodes.push(pendingNode(m, id, p));
-    if (m.discarded && !m.discarded.startsWith(m.streaming)) nodes.push(discardedNode(m));
-    if (m.streaming || m.discarded) nodes.push(streamingNode(m));
+    if (!path.placed) nodes.push(...streamNodes(m)); // no turn to place it in
     if (m.error) nodes.push(h("div", { class: "note", "data-testid": "chat-error", text: m.error }));
   }
   const switched = box.dataset.chatId !== (active ?? "");
