@@ -903,6 +903,37 @@ def test_the_controls_stay_below_the_answer_as_it_streams(page: Any, demo: Gatew
         assert re.fullmatch(r"U( UB)?( [SA])?( N)*( L)?( TB)?", shown), layouts
 
 
+def test_an_agent_failure_is_said_and_offers_retry(page: Any, demo: GatewayProcess,
+                                                  user: str) -> None:
+    open_app(page, demo, user)
+    draft(page)
+    failed = exchange(page, "/fail")
+    chat_id = current_chat(page)
+    end = page.locator(f'[data-testid="turn-latency"][data-turn-id="{failed}"]')
+    expect(end).to_have_attribute("data-reason", "error")
+    # In words, in the transcript (the log announces it), and to screen readers at once.
+    expect(end.get_by_test_id("turn-failure")).to_have_text(
+        "The agent failed: its answer did not come.")
+    expect(end).to_contain_text(re.compile(r"after \d+(\.\d+)? (ms|s)"))
+    expect(page.get_by_test_id("announcer")).to_have_text(
+        "The agent failed: its answer did not come.")
+    # Retry is offered right under it, enabled, and stands out.
+    bar = page.locator(f'[data-testid="turn-bar"][data-node-id="{failed}"]')
+    retry = bar.get_by_role("button", name="Retry: answer this message again")
+    expect(retry).to_be_enabled()
+    expect(retry).to_have_class(re.compile(r"\bprimary\b"))
+    problems = axe_problems(page, "an agent failure")
+    assert not problems, "\n".join(problems)
+    retry.click()
+    again = head_moved(page, failed)
+    answered(page, again)
+    expect(fork(page, "turn-bar", again).get_by_test_id("fork-position")).to_have_text("2/2")
+    assert_transcript(page, demo, user, chat_id)
+    # A turn that answered has a plain Retry.
+    exchange(page, "hello")
+    expect(page.get_by_test_id("retry")).not_to_have_class(re.compile(r"\bprimary\b"))
+
+
 def test_edit_a_message_inline(page: Any, demo: GatewayProcess, user: str) -> None:
     open_app(page, demo, user)
     draft(page)

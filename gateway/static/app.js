@@ -218,6 +218,9 @@ function applyEvent(f) {
       insertItem(m, {
         seq: f.seq, kind: "turn_end", turnId: d.turn_id, latency: d.latency_ms, reason: d.reason ?? "complete",
       }, f);
+      if (m.status === "running" && m.chatId === active && m.subscribed && FAILED[d.reason]) {
+        announce(FAILED[d.reason]);
+      }
       setStatus(m, "idle", null, f.seq);
       if ("goal_state" in d) setGoal(m, d.goal_state, f.seq);
       endStream(m);
@@ -896,6 +899,12 @@ function renderSidebar() {
   $("new-chat").disabled = blocked;
 }
 
+// A turn that ended without its answer, in words (the turn's controls offer Retry).
+const FAILED = {
+  error: "The agent failed: its answer did not come.",
+  timeout: "The agent did not answer in time.",
+};
+
 function formatLatency(ms) {
   if (ms == null) return "";
   return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(ms < 10000 ? 2 : 1)} s`;
@@ -919,11 +928,15 @@ function itemNode(m, it) {
       }));
     if (it.cancelled) node.append(h("div", { class: "meta", text: "stopped" }));
   } else if (it.kind === "turn_end") {
+    const failed = FAILED[it.reason];
     node = h("div", {
       class: "turn-meta", "data-testid": "turn-latency", "data-seq": it.seq,
       "data-turn-id": it.turnId, "data-reason": it.reason, "data-latency-ms": it.latency,
       title: "turn latency, measured by the gateway",
-    }, h("span", { class: "latency", text: `${it.reason === "complete" ? "replied in" : "ended after"} ${formatLatency(it.latency)}` }), h("span", { class: "reason", text: it.reason }));
+    },
+    failed ? h("span", { class: "failure", "data-testid": "turn-failure", text: failed }) : null,
+    h("span", { class: "latency", text: `${it.reason === "complete" ? "replied in" : failed ? "after" : "ended after"} ${formatLatency(it.latency)}` }),
+    failed ? null : h("span", { class: "reason", text: it.reason }));
   } else {
     node = h("div", { class: "note", "data-testid": "note", "data-seq": it.seq, text: it.text });
   }
@@ -983,7 +996,8 @@ function barNode(m, tree, nodeId, kind, busy) {
   const sib = tree.siblings(nodeId);
   const isHead = tree.head === nodeId;
   const editing = m.editing?.msgId === nodeId;
-  const key = `bar:${nodeId}:${sib.index}/${sib.ids.length}:${isHead}:${busy}:${editing}`;
+  const failed = kind === "turn" && isHead && failedTurn(m, nodeId);
+  const key = `bar:${nodeId}:${sib.index}/${sib.ids.length}:${isHead}:${busy}:${editing}:${failed}`;
   let node = m.nodes.get(key);
   if (node) return node;
   for (const k of [...m.nodes.keys()]) if (k.startsWith(`bar:${nodeId}:`)) m.nodes.delete(k);
@@ -995,11 +1009,21 @@ function barNode(m, tree, nodeId, kind, busy) {
       startEdit(m, nodeId, it?.text ?? "");
     }, busy));
   }
-  if (kind === "turn" && isHead) parts.push(button("Retry", "retry", "Retry: answer this message again", retry, busy));
+  if (kind === "turn" && isHead) {
+    const retryButton = button("Retry", "retry", "Retry: answer this message again", retry, busy);
+    // After a failed turn, Retry is what to do next: it stands out.
+    if (failed) retryButton.classList.add("primary");
+    parts.push(retryButton);
+  }
   if (!parts.length) return null;
   node = h("div", { class: `node-bar ${kind}`, "data-testid": `${kind}-bar`, "data-node-id": nodeId }, ...parts);
   m.nodes.set(key, node);
   return node;
+}
+
+/** Whether the turn `nodeId` ended without its answer (an agent error, a timeout). */
+function failedTurn(m, nodeId) {
+  return m.items.some((it) => it.kind === "turn_end" && it.node === nodeId && FAILED[it.reason]);
 }
 
 /** A user message being edited in place: the text, then Send (a new version) or Cancel. */
