@@ -27,6 +27,9 @@ import pytest
 import redis.asyncio as aioredis
 from websockets.asyncio.client import connect as ws_connect
 
+from gateway.embedded import EmbeddedRedis
+
+from . import faults
 from .steps import create, publish
 from .wsclient import FEED, Client, Frame
 
@@ -116,19 +119,32 @@ async def assert_usable(ws: Client, req_id: str) -> None:
 
 
 async def test_a_ping_is_answered_at_once_yet_after_the_request_before_it(
-    fast: Any, user: str, chat_id: str
+    start_gateway: Any, tmp_path: Path, user: str, chat_id: str
 ) -> None:
-    """A ping is answered from the socket's callback, with no task, but only when nothing
-    is waiting before it: behind a subscribe that reads the store, its pong comes second."""
-    async with connect(fast.url(user)) as ws:
-        await assert_usable(ws, "first")  # the first request waits for the feed
-        for round_ in range(3):
-            await ws.send({"type": "subscribe", "chat_id": f"{chat_id}-{round_}", "id": "s"})
-            await ws.send({"type": "ping", "id": "p"})
-            await ws.expect("subscribed", id="s")
-            await ws.expect("pong", id="p")
-        for round_ in range(3):
-            await assert_usable(ws, f"alone-{round_}")
+    """A ping is answered from the socket's callback, with no task and no Redis, but only
+    when nothing is waiting before it: with Redis frozen, an idle connection's ping is
+    answered at once, while behind a subscribe that reads the store the pong comes second,
+    once Redis is back."""
+    server = EmbeddedRedis(tmp_path / "redis", persistent=False)
+    server.start()
+    try:
+        gw = start_gateway(redis_url=server.url, redis_timeout=10)
+        async with connect(gw.url(user)) as ws, connect(gw.url(user)) as idle:
+            await assert_usable(ws, "first")  # the first request waits for the feed
+            await assert_usable(idle, "first")
+            for round_ in range(2):
+                async with faults.frozen(server):
+                    await ws.send({"type": "subscribe", "chat_id": f"{chat_id}-{round_}",
+                                   "id": "s"})
+                    await ws.send({"type": "ping", "id": "p"})
+                    await idle.send({"type": "ping", "id": f"at-once-{round_}"})
+                    await idle.expect("pong", id=f"at-once-{round_}")
+                await ws.expect("subscribed", id="s")
+                await ws.expect("pong", id="p")
+            for round_ in range(3):
+                await assert_usable(ws, f"alone-{round_}")
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow  # ~5 s of load
