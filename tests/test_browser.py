@@ -888,7 +888,7 @@ def test_the_controls_stay_below_the_answer_as_it_streams(page: Any, demo: Gatew
     page.get_by_test_id("stop").click()
     latency = page.get_by_test_id("turn-latency")
     expect(latency).to_have_attribute("data-reason", "cancelled", timeout=TURN)
-    # Again, as the second version: "‹ 2/2 › Retry" under the answer being written.
+    # Again, as the second version: "< 2/2 > Retry" under the answer being written.
     page.get_by_test_id("retry").click()
     expect(streaming).to_contain_text("word3", timeout=TURN)
     expect(page.get_by_test_id("fork-position")).to_have_text("2/2")
@@ -993,6 +993,52 @@ def test_undo_puts_the_text_back(page: Any, demo: GatewayProcess, user: str) -> 
         "button", name="Previous version of this message").click()
     expect(messages(page, "user")).to_have_text(["one", "two, with a typo"], timeout=TURN)
     assert user_node(page, "two, with a typo") == taken
+    assert_transcript(page, demo, user, chat_id)
+
+
+def test_undoing_every_message_says_so_and_offers_the_versions(
+        page: Any, demo: GatewayProcess, user: str) -> None:
+    open_app(page, demo, user)
+    draft(page)
+    exchange(page, "A question about Porto")
+    chat_id = current_chat(page)
+    title = page.get_by_test_id("chat-title")
+    expect(title).to_have_text("A question about Porto", timeout=TURN)
+    # An edit of the first message: the agent titles the chat after the new version.
+    first = user_node(page, "A question about Porto")
+    page.locator(f'[data-testid="user-bar"][data-node-id="{first}"]').get_by_role(
+        "button", name="Edit this message").click()
+    editor = page.get_by_test_id("message-editor").get_by_role("textbox", name="Edited message")
+    editor.fill("Lisbon instead, for three days")
+    before = head_of(page)
+    page.get_by_test_id("message-editor").get_by_role(
+        "button", name="Send the edited message").click()
+    answered(page, head_moved(page, before))
+    expect(title).to_have_text("Lisbon instead, for three days", timeout=TURN)
+    expect(sidebar_item(page, chat_id).get_by_test_id("conversation-title")).to_have_text(
+        "Lisbon instead, for three days")
+
+    # Undo the only message on the path: not a blank pane, and both versions one click away.
+    page.get_by_role("button", name="Undo the last message").click()
+    expect(page.get_by_test_id("message-input")).to_have_value(
+        "Lisbon instead, for three days", timeout=TURN)
+    expect(page.get_by_test_id("chat")).to_have_attribute("data-head", "none")
+    undone = page.get_by_test_id("undone")
+    expect(undone).to_contain_text("You undid every message. Type a new one below", timeout=TURN)
+    back = undone.get_by_test_id("bring-back")
+    expect(back).to_have_text(["↩ “A question about Porto”", "↩ “Lisbon instead, for three days”"])
+    problems = axe_problems(page, "everything undone")
+    assert not problems, "\n".join(problems)
+    # So after a reload too.
+    page.reload()
+    expect(page.get_by_test_id("app")).to_have_attribute("data-ready", "true", timeout=TURN)
+    synced(page, chat_id)
+    expect(back).to_have_count(2, timeout=TURN)
+    undone.get_by_role("button", name="Bring back “A question about Porto” and what followed "
+                                       "it").click()
+    expect(messages(page, "user")).to_have_text(["A question about Porto"], timeout=TURN)
+    expect(messages(page, "assistant")).to_contain_text(["You said: “A question about Porto”"])
+    expect(undone).to_have_count(0)
     assert_transcript(page, demo, user, chat_id)
 
 
@@ -1359,7 +1405,7 @@ def test_accessible_transcript_and_controls(page: Any, demo: GatewayProcess, use
     page.get_by_test_id("stop").click()
     expect(page.get_by_test_id("send")).to_be_visible(timeout=TURN)
 
-    # Every control of the transcript on screen: versions (‹ 2/2 ›), Edit, Retry.
+    # Every control of the transcript on screen: versions (< 2/2 >), Edit, Retry.
     stopped = head_of(page)
     page.get_by_role("button", name="Retry: answer this message again").click()
     answered(page, head_moved(page, stopped))

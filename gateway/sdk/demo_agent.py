@@ -89,13 +89,36 @@ async def stream(turn: Turn, text: str, delay: float = WORD_DELAY) -> str:
     return "".join(sent)
 
 
+async def give_title(turn: Turn, meta: Meta, text: str) -> None:
+    """The first message titles an untitled chat. Another version of the first message (an
+    edit, or a new first message after undoing everything) titles it anew, unless someone
+    renamed it: only a title the agent gave an earlier version is replaced."""
+    if not meta.title:
+        await turn.title(title_for(text))
+        return
+    if meta.message_count > 2:  # not the first exchange on the path: nothing to look up
+        return
+    tree = await turn.store.tree(turn.chat_id)
+    if tree is None or len(tree.roots) < 2:
+        return
+    nodes = {node.id: node for node in tree.nodes}
+    mine = nodes.get(turn.turn_id)
+    if mine is None or mine.parent_id not in tree.roots:
+        return
+    given = {title_for(nodes[root].preview or "") for root in tree.roots
+             if root != mine.parent_id and root in nodes}
+    wanted = title_for(text)
+    if meta.title != wanted and meta.title in given:
+        await turn.title(wanted)
+
+
 async def handle(turn: Turn) -> None:
     text = turn.text.strip()
     command, _, rest = text.partition(" ")
     meta = turn.meta or await turn.store.meta(turn.chat_id)
 
-    if meta is not None and not meta.title and text:
-        await turn.title(title_for(text))
+    if meta is not None and text:
+        await give_title(turn, meta, text)
 
     delay = WORD_DELAY
     if command == "/goal":

@@ -124,6 +124,8 @@ function model(chatId) {
       goalSeq: -1,
       error: null,
       lastSubscribe: null, // {mode, buffered, overflowed, replayed, recovered} of the last `subscribed`
+      roots: [], // {id, preview}: the first messages, shown when every message was undone
+      rootsAt: null, // the head seq `roots` were fetched for
     };
     models.set(chatId, m);
   }
@@ -670,6 +672,24 @@ function switchTo(m, nodeId) {
   client.switch(m.chatId, nodeId).catch((err) => notice(describe(err)));
 }
 
+/**
+ * Every message was undone (the head is before the first one): fetch the first messages'
+ * versions (GET …/tree), to offer them back. Once per such head.
+ */
+function loadRoots(m) {
+  const tree = client?.tree(m.chatId);
+  if (!tree?.headKnown || tree.head != null || m.rootsAt === tree.headSeq) return;
+  const at = tree.headSeq;
+  m.rootsAt = at;
+  api("GET", `/v1/conversations/${encodeURIComponent(m.chatId)}/tree`).then((t) => {
+    if (m.rootsAt !== at) return;
+    const byId = new Map((t.nodes ?? []).map((n) => [n.id, n]));
+    m.roots = (t.roots ?? []).map((id) => ({ id, preview: byId.get(id)?.preview ?? "" }));
+  }, () => {
+    if (m.rootsAt === at) m.rootsAt = null; // tried again at the next render
+  }).finally(() => { if (m.chatId === active) scheduleRender(); });
+}
+
 /** A refusal from the gateway (a GatewayError), in words for people. */
 function describe(err) {
   const text = {
@@ -1142,6 +1162,24 @@ function streamingNode(m) {
   return node;
 }
 
+/** Every message was undone: say so, and offer each first message back (a switch). */
+function undoneNode(m) {
+  const key = `undone:${m.roots.map((r) => r.id).join(",")}`;
+  let node = m.nodes.get(key);
+  if (node) return node;
+  for (const k of [...m.nodes.keys()]) if (k.startsWith("undone:")) m.nodes.delete(k);
+  const one = m.roots.length === 1;
+  node = h("div", { class: "undone", "data-testid": "undone" },
+    h("p", { text: `You undid every message. Type a new one below, or bring back ${one ? "the conversation" : "one of its versions"}:` }),
+    h("div", { class: "undone-list" }, ...m.roots.map((r) => {
+      const b = button(`↩ “${r.preview}”`, "bring-back", `Bring back “${r.preview}” and what followed it`, () => switchTo(m, r.id));
+      b.classList.add("bring-back");
+      return b;
+    })));
+  m.nodes.set(key, node);
+  return node;
+}
+
 /** The earlier attempt, when the new one does not start like it: dimmed until passed. */
 function discardedNode(m) {
   let node = m.nodes.get("discarded");
@@ -1207,6 +1245,11 @@ function renderChat() {
     nodes.push(...path.nodes);
     for (const [id, p] of m.pending) nodes.push(pendingNode(m, id, p));
     if (!path.placed) nodes.push(...streamNodes(m)); // no turn to place it in
+    if (m.loaded && tree?.headKnown && tree.head == null) {
+      // Everything undone: not a blank pane, and the versions there were one click away.
+      loadRoots(m);
+      if (m.roots.length && !m.pending.size && !path.nodes.length) nodes.push(undoneNode(m));
+    }
     if (m.error) nodes.push(h("div", { class: "note", "data-testid": "chat-error", text: m.error }));
   }
   const switched = box.dataset.chatId !== (active ?? "");
