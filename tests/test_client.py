@@ -401,15 +401,21 @@ async def test_answered_pings_keep_an_idle_connection(gateway: Any, user: str) -
 
 
 @pytest.mark.slow
-async def test_an_idle_client_keeps_one_connection_for_a_minute(gateway: Any, user: str,
+async def test_an_idle_client_keeps_one_connection_for_a_minute(start_gateway: Any, user: str,
                                                                 chat_id: str) -> None:
-    # The default timers: a ping after 5 s of silence, given up 5 s later when nothing came.
-    # Every answered ping must count as a frame heard, for the six rounds of a minute.
-    async with GatewayClient(gateway.ws, token_factory=lambda: gateway.token(user)) as client:
-        assert (client.idle_ping, client.pong_timeout) == (5.0, 5.0)
+    """The default timers, a minute idle, played ten times faster: the client pings after
+    5 s of silence and gives up 5 s later when nothing came, the server's keepalive runs
+    every 25 s (GATEWAY_HEARTBEAT). Every answered ping must count as a frame heard, for
+    the six client rounds and two server rounds of a minute."""
+    assert (GatewayClient.__init__.__kwdefaults__["idle_ping"],
+            GatewayClient.__init__.__kwdefaults__["pong_timeout"]) == (5.0, 5.0)
+    scale = 10
+    gw = start_gateway(heartbeat=25.0 / scale)
+    async with GatewayClient(gw.ws, token_factory=lambda: gw.token(user),
+                             idle_ping=5.0 / scale, pong_timeout=5.0 / scale) as client:
         await client.subscribe(chat_id)
         first = client.hello["connection_id"]
-        await stays_connected(client, 60)
+        await stays_connected(client, 60 / scale)
         assert client.connections == 1 and client.hello["connection_id"] == first
         assert isinstance(await client.ping(), int)
 
