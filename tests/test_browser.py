@@ -826,6 +826,10 @@ def test_retry_the_last_answer(page: Any, demo: GatewayProcess, user: str) -> No
     chat_id = current_chat(page)
     usage = page.get_by_test_id("chat-usage")
     expect(usage).to_have_text(re.compile(r"^[\d,]+ tokens$"), timeout=TURN)
+    # The details in words, not field names.
+    expect(usage).to_have_attribute("title", re.compile(
+        r"^This version: [\d,]+ input tokens, [\d,]+ output tokens\. "
+        r"Billed: [\d,]+ input tokens, [\d,]+ output tokens\.$"))
     retry = page.get_by_role("button", name="Retry: answer this message again")
     expect(retry).to_have_count(1)
     retry.click()
@@ -1450,6 +1454,14 @@ def test_rename_and_delete_from_the_sidebar(page: Any, browser: Any, demo: Gatew
         sidebar_item(page, chat_id).get_by_test_id("rename").click()
         field = page.get_by_role("textbox", name="Conversation title")
         expect(field).to_be_focused()
+        # The title, Save and Cancel on one line, none cut off.
+        row = [page.get_by_test_id(t).bounding_box()
+               for t in ("rename-input", "rename-save", "rename-cancel")]
+        middles = [box["y"] + box["height"] / 2 for box in row]
+        assert max(middles) - min(middles) < 2, row
+        assert row[0]["width"] >= 100, row
+        sidebar = page.get_by_test_id("sidebar").bounding_box()
+        assert row[2]["x"] + row[2]["width"] <= sidebar["x"] + sidebar["width"], (row, sidebar)
         field.fill("  Quick   words, renamed ")
         field.press("Enter")
         expect(sidebar_item(page, chat_id).get_by_test_id("conversation-title")).to_have_text(
@@ -1480,12 +1492,23 @@ def test_rename_and_delete_from_the_sidebar(page: Any, browser: Any, demo: Gatew
         # Gone on the other device too, which says so, and from the API.
         expect(sidebar_item(other, chat_id)).to_have_count(0, timeout=TURN)
         expect(other.get_by_test_id("chat")).to_have_attribute("data-chat-id", "")
-        expect(other.get_by_test_id("notice")).to_contain_text("was deleted")
+        # Said quietly where the chat was (no alert over the other chats), and said once.
+        line = other.get_by_test_id("gone")
+        expect(line).to_have_text("“Quick words, renamed” was deleted on another device.")
+        expect(other.get_by_test_id("notice")).to_be_hidden()
+        expect(other.get_by_test_id("announcer")).to_have_text(
+            "“Quick words, renamed” was deleted on another device.")
         gone = httpx.get(f"{demo.http}/v1/conversations/{chat_id}", headers=demo.headers(user))
         assert gone.status_code == 404
         listed = httpx.get(f"{demo.http}/v1/conversations", headers=demo.headers(user)).json()
         assert [c["chat_id"] for c in listed["conversations"]] == [keep]
         expect(sidebar_item(other, keep)).to_have_count(1)
+        # It concerns only that chat: opening another one takes it away.
+        other.bring_to_front()
+        show_sidebar(other)
+        sidebar_item(other, keep).get_by_test_id("conversation-title").click()
+        synced(other, keep)
+        expect(line).to_be_hidden()
     finally:
         other.close()
     assert not errors, f"uncaught errors in the second page: {errors}"

@@ -259,9 +259,25 @@ function usageText(usage) {
   let text = `${number(shown)} tokens`;
   if (billed !== shown) text += ` (${number(billed)} billed)`;
   if (usage.billed.cost != null) text += ` · cost ${number(usage.billed.cost)}`;
-  const list = (totals) => Object.entries(totals ?? {}).map(([k, n]) => `${k} ${number(n)}`)
-    .join(", ") || "nothing";
+  // The usual counts first (input, output, cached), the rest by name, the cost last.
+  const rank = (name) => (name === "cost" ? 9 : USUAL.indexOf(name) >= 0 ? USUAL.indexOf(name) : 5);
+  const list = (totals) => Object.entries(totals ?? {})
+    .sort(([a], [b]) => rank(a) - rank(b) || a.localeCompare(b))
+    .map(([k, n]) => usageWords(k, number(n))).join(", ") || "nothing";
   return { text, detail: `This version: ${list(usage.active)}. Billed: ${list(usage.billed)}.` };
+}
+
+const USUAL = ["input_tokens", "output_tokens", "cached_tokens"];
+
+/**
+ * One usage count in words: "32 output tokens", "cost 0.0042", and a nested count (a
+ * provider's `prompt_tokens_details.cached_tokens`) as "3 cached tokens (prompt tokens details)".
+ */
+function usageWords(name, shown) {
+  if (name === "cost") return `cost ${shown}`;
+  const parts = name.split(".").map((part) => part.replace(/[_-]+/g, " ").trim());
+  const what = parts.pop();
+  return `${shown} ${what}${parts.length ? ` (${parts.join(", ")})` : ""}`;
 }
 
 function upsertConversation(c) {
@@ -293,7 +309,7 @@ function removeConversation(chatId, elsewhere = false) {
   if (active === chatId) {
     active = null;
     setUrlChat(null);
-    if (elsewhere) notice(`“${title}” was deleted.`);
+    if (elsewhere) gone(`“${title}” was deleted on another device.`);
   }
   scheduleRender();
 }
@@ -387,9 +403,28 @@ function setUrlChat(chatId) {
   history.replaceState(null, "", `${location.pathname}${q.size ? `?${q}` : ""}`);
 }
 
+let goneTimer = null;
+const GONE_MS = 10000;
+
+/**
+ * The chat on screen went (deleted on another device): a quiet line where it was, said once
+ * to screen readers, gone after GONE_MS or when another chat is chosen. Not an alert: it
+ * blocks nothing and concerns only that chat.
+ */
+function gone(text = null) {
+  clearTimeout(goneTimer);
+  const line = $("gone");
+  line.textContent = text ?? "";
+  line.hidden = !text;
+  if (!text) return;
+  announce(text);
+  goneTimer = setTimeout(() => gone(), GONE_MS);
+}
+
 /** Show a chat (null: a new one, created by its first message). */
 async function selectChat(chatId) {
   closeDrawer();
+  gone();
   if (active === chatId) return;
   const previous = active;
   active = chatId;
