@@ -114,7 +114,10 @@ def to_out_event(event: PublishEvent, index: int | None = None) -> OutEvent:
             # Its counts only: what is stored is what the totals sum, and both wire
             # formats carry each of them.
             usage = p.usage_counts(typed.usage) if typed.usage is not None else None
-            body = _encode({"reason": typed.reason, "usage": usage})
+            fields: dict[str, Any] = {"reason": typed.reason, "usage": usage}
+            if typed.error:
+                fields["error"] = typed.error[:p.TURN_ERROR_MAX]
+            body = _encode(fields)
             return OutEvent(type=kind, data=body, turn_id=typed.turn_id or "")
         _check_carried(typed, index)  # what is stored: its other fields are dropped
         if isinstance(typed, p.GoalState):

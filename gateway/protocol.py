@@ -299,11 +299,16 @@ def usage_counts(usage: dict[str, Any]) -> dict[str, int | float]:
     return counts
 
 
+TURN_ERROR_MAX = 2000
+
+
 class TurnEndData(msgspec.Struct):
     reason: Literal["complete", "cancelled", "error", "timeout"] = "complete"
     turn_id: str | None = None
     # Any object: its counts are kept (usage_counts), the rest dropped.
     usage: dict[str, Any] | None = None
+    # What went wrong, in words a person can read (reason "error"); cut to TURN_ERROR_MAX.
+    error: str | None = None
 
 
 class TitleData(msgspec.Struct):

@@ -245,6 +245,9 @@ async def test_a_failing_handler_ends_the_turn_with_reason_error(
         await send_message(ws, chat_id, "fail please")
         frames = await until_turn_end(ws, chat_id)
         assert frames[-1]["data"]["reason"] == "error"
+        # In words a person can read, and none of the handler's own (its "boom").
+        assert frames[-1]["data"]["error"] == (
+            "The agent failed while answering (RuntimeError).")
         # The conversation is usable again: the next message gets a turn.
         await send_message(ws, chat_id, "again")
         again = await until_turn_end(ws, chat_id)

@@ -127,6 +127,23 @@ async def test_the_feed_carries_the_totals(gateway: Any, user: str, chat_id: str
         assert feed["usage"] == {"billed": {"input_tokens": 3}, "active": {"input_tokens": 3}}
 
 
+async def test_an_error_ends_the_turn_with_its_message(gateway: Any, user: str,
+                                                       chat_id: str) -> None:
+    """``turn_end`` with ``reason: error`` carries ``error``, what went wrong in words,
+    cut to 2000 characters; other reasons may carry none."""
+    await create(gateway, user, chat_id)
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        await message_and_reply(ws, chat_id, "hi")
+        resp = await post_events(gateway, chat_id, {"type": "turn_end", "data": {
+            "reason": "error", "error": "The model server is down. " + "x" * 3000}})
+        assert resp.status_code == 200, resp.text
+        end = await ws.wait_for(lambda f: f.get("type") == "turn_end")
+    assert end["data"]["reason"] == "error"
+    assert end["data"]["error"].startswith("The model server is down.")
+    assert len(end["data"]["error"]) == 2000
+
+
 OPENAI_USAGE = {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21,
                 "prompt_tokens_details": {"cached_tokens": 3, "audio_tokens": 0},
                 "completion_tokens_details": {"reasoning_tokens": 4}}

@@ -306,8 +306,8 @@ class Turn:
                                     existing_ok=True)
         return chat_id
 
-    async def end(self, usage: dict[str, Any] | None = None,
-                  reason: str = "complete") -> Published | None:
+    async def end(self, usage: dict[str, Any] | None = None, reason: str = "complete",
+                  error: str | None = None) -> Published | None:
         """End this turn (``turn_end``, only if it is still the running one).
 
         ``usage`` is what the turn cost: your provider's usage object as it comes, or
@@ -318,7 +318,9 @@ class Turn:
         that ended without its agent (cancelled by a tree operation, timed out) still has its
         usage counted, once.
 
-        A cancelled turn ends with ``reason: cancelled``. Returns None when the turn was
+        ``error``: with ``reason="error"``, what went wrong in words a person can read
+        (``turn_end.data.error``; the page shows it). A cancelled turn ends with
+        ``reason: cancelled``. Returns None when the turn was
         already over (ended before a redelivery, timed out, conversation deleted).
         """
         if self.ended:
@@ -331,6 +333,8 @@ class Turn:
         data: dict[str, Any] = {"reason": reason, "turn_id": self.turn_id}
         if usage is not None:
             data["usage"] = usage
+        if error is not None:
+            data["error"] = error
         try:
             result = await self.event("turn_end", data, key="turn_end")
         except Rejected as exc:
@@ -718,19 +722,20 @@ class AgentWorker:
             turn.meta = meta
             if _cancel_requested(history.frames, turn.turn_id):
                 turn.cancel()
-            failed = False
+            failed: str | None = None
             try:
                 await self.handler(turn)
             except TurnOver as exc:
                 log.info("%r ended while its handler wrote: %s", turn, exc.message)
-            except Exception:
-                failed = True
+            except Exception as exc:
+                # The person sees that the agent failed, not its internals.
+                failed = f"The agent failed while answering ({type(exc).__name__})."
                 self.stats["failed"] += 1
                 log.exception("handler failed on %r", turn)
             if not turn.ended:
-                reason = "error" if failed and not turn.cancelled else "complete"
+                error = failed if failed and not turn.cancelled else None
                 try:
-                    await turn.end(reason=reason)
+                    await turn.end(reason="error" if error else "complete", error=error)
                 except Rejected as exc:  # nothing a retry would fix
                     log.warning("ending %r: %s %s", turn, exc.code, exc.message)
             await self.redis.xack(entry.key, self.group, entry.id)
