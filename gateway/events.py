@@ -24,6 +24,7 @@ TITLE_MAX = p.TITLE_MAX
 # The event types whose data the gateway reads, and the shape it must have (to_out_event).
 TYPED_DATA: dict[str, type[msgspec.Struct]] = {
     "turn_end": p.TurnEndData, "goal_state": p.GoalState, "title": p.TitleData,
+    "state": p.StateData,
 }
 
 
@@ -120,6 +121,9 @@ def to_out_event(event: PublishEvent, index: int | None = None) -> OutEvent:
             body = _encode(fields)
             return OutEvent(type=kind, data=body, turn_id=typed.turn_id or "")
         _check_carried(typed, index)  # what is stored: its other fields are dropped
+        if isinstance(typed, p.StateData):
+            snapshot = _encode(typed.snapshot)
+            return OutEvent(type=kind, data=b'{"snapshot":' + snapshot + b"}", state=snapshot)
         if isinstance(typed, p.GoalState):
             if typed.updated_at is None:
                 typed.updated_at = now_ms()

@@ -199,6 +199,8 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     turn_id: str | None
     started_at: int | None
     goal_state: msgspec.Raw | None
+    # The agent's state, the last `state` event's snapshot; omitted when there is none.
+    state: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     # Omitted only when the connection already holds every open stream (an intact buffer
     # drain, or a subscribe to a chat that is already live).
     streams: list[StreamSnapshot] | None = None
@@ -309,6 +311,12 @@ class TurnEndData(msgspec.Struct):
     usage: dict[str, Any] | None = None
     # What went wrong, in words a person can read (reason "error"); cut to TURN_ERROR_MAX.
     error: str | None = None
+
+
+class StateData(msgspec.Struct):
+    """The agent's state (AG-UI's STATE_SNAPSHOT, or a delta applied): any JSON value."""
+
+    snapshot: Any
 
 
 class TitleData(msgspec.Struct):

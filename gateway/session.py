@@ -700,12 +700,16 @@ def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None =
         # The goal is stored as JSON; a Raw is spliced into the output as is, so a
         # MessagePack frame needs it re-encoded as MessagePack.
         goal = msgspec.Raw(json_to_msgpack(meta.goal) if binary else meta.goal)
+    state: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    if meta.state:
+        state = msgspec.Raw(json_to_msgpack(meta.state) if binary else meta.state)
     return p.Snapshot(
         title=meta.title,
         status="running" if meta.status == "running" else "idle",
         turn_id=meta.turn_id,
         started_at=meta.started_at,
         goal_state=goal,
+        state=state,
         head=meta.head,
         streams=streams,
         usage=p.UsageTotals.of(meta.usage_billed, meta.usage_active),

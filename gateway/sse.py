@@ -186,6 +186,7 @@ def state_event(kind: bytes, chat_id: str, meta: Meta, recovered: bool) -> bytes
         "status": "running" if meta.status == "running" else "idle", "title": meta.title,
         "turn_id": meta.turn_id, "started_at": meta.started_at,
         "goal_state": msgspec.Raw(meta.goal) if meta.goal else None,
+        "state": msgspec.Raw(meta.state) if meta.state else None,
         "usage": {"billed": msgspec.Raw(meta.usage_billed),
                   "active": msgspec.Raw(meta.usage_active)},
         "message_count": meta.message_count,

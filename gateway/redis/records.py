@@ -28,6 +28,7 @@ class OutEvent(msgspec.Struct, frozen=True, kw_only=True):
     attempt: str = ""  # a streamed delta or its commit: which run of the turn sent it
     fill: bool = False  # a commit without text: it takes the stream's text
     child: str = ""  # child: the sub-conversation's chat id
+    state: bytes = b""  # state: the agent state's snapshot (JSON), kept as the conversation's
 
 
 class TreeOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +91,7 @@ class Meta(msgspec.Struct, frozen=True):
     usage_active: bytes = b"{}"  # JSON: the usage of the turns on the active path
     message_count: int = 0  # nodes on the active path: user messages and turns
     parent: str | None = None  # a sub-conversation: its parent's chat id
+    state: bytes | None = None  # JSON: the agent's state (a `state` event's snapshot)
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -123,6 +125,7 @@ class Meta(msgspec.Struct, frozen=True):
             usage_active=(get("usage_active") or "{}").encode(),
             message_count=number("msgs") or 0,
             parent=text("parent"),
+            state=(get("state") or "").encode() or None,
         )
 
 

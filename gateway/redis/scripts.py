@@ -95,6 +95,8 @@ def script_arg(event: OutEvent) -> str:
         return event.title_source
     if kind == "child":
         return event.child
+    if kind == "state":
+        return event.state.decode()
     if event.durable and event.fill:
         return f"{event.attempt} fill"
     return event.attempt

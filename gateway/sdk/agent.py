@@ -143,6 +143,14 @@ class Turn:
         return f"<Turn {self.chat_id} {self.turn_id}>"
 
     @property
+    def state(self) -> Any:
+        """The conversation's agent state when the turn started (the last ``state``
+        event's snapshot), or None."""
+        if self.meta is None or not self.meta.state:
+            return None
+        return _decode_json(self.meta.state)
+
+    @property
     def cancelled(self) -> bool:
         return self.cancel_event.is_set()
 

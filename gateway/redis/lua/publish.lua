@@ -37,6 +37,7 @@
 --                 its usage is counted (once per turn) and the refusal carries the feed.
 --   cancel_requested  the turn it cancels, or "" for the running one; needs a running turn
 --   goal_state    (none) data is stored as the conversation's goal snapshot
+--   state         the snapshot (JSON), stored as the conversation's agent state (meta state)
 --   title         the title's source; data is the new title (raw text)
 --   child         the sub-conversation's chat id, added to KEYS[5+k]; data {chat_id, title}
 --   a streamed type (ephemeral, while a turn runs)  the run's attempt: the delta joins its
@@ -61,7 +62,8 @@
 -- streams committed as partials on its branch).
 --
 -- Every durable event of a node is stored with its node id (log field "n"; "" for the
--- conversation-level types title, goal_state, head and child) and its frame carries "node".
+-- conversation-level types title, goal_state, state, head and child) and its frame
+-- carries "node".
 --
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
@@ -167,7 +169,8 @@ end
 -- The types this script completes: the conversation's own (stored with node "") and the
 -- turn's. Every other durable type that is not streamed is plain: its node is the running
 -- turn's (node_of).
-local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true, child = true}
+local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true, child = true,
+                            state = true}
 local TURN_LEVEL = {user_message = true, turn_start = true, turn_end = true,
                     cancel_requested = true}
 

@@ -323,6 +323,9 @@ for i = 0, n - 1 do
   elseif typ == 'goal_state' then
     m.goal = data
     listed, changed = true, true
+  elseif typ == 'state' then
+    m.state = arg
+    changed = true
   elseif typ == 'title' then
     local previous = m.title ~= '' and cjson.encode(m.title) or 'null'
     data = '{"title":' .. cjson.encode(data) .. ',"previous":' .. previous ..
