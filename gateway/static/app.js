@@ -219,9 +219,10 @@ function applyEvent(f) {
     case "turn_end":
       insertItem(m, {
         seq: f.seq, kind: "turn_end", turnId: d.turn_id, latency: d.latency_ms, reason: d.reason ?? "complete",
+        error: typeof d.error === "string" && d.error.trim() ? d.error.trim() : null,
       }, f);
       if (m.status === "running" && m.chatId === active && m.subscribed && FAILED[d.reason]) {
-        announce(FAILED[d.reason]);
+        announce(failureText(m.items.find((it) => it.seq === f.seq)));
       }
       setStatus(m, "idle", null, f.seq);
       if ("goal_state" in d) setGoal(m, d.goal_state, f.seq);
@@ -960,6 +961,12 @@ const FAILED = {
   timeout: "The agent did not answer in time.",
 };
 
+/** What went wrong with a turn, in words: the agent's own (turn_end's `error`), or ours. */
+function failureText(it) {
+  if (!it || !FAILED[it.reason]) return null;
+  return it.reason === "error" && it.error ? it.error : FAILED[it.reason];
+}
+
 function formatLatency(ms) {
   if (ms == null) return "";
   return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(ms < 10000 ? 2 : 1)} s`;
@@ -983,7 +990,7 @@ function itemNode(m, it) {
       }));
     if (it.cancelled) node.append(h("div", { class: "meta", text: "stopped" }));
   } else if (it.kind === "turn_end") {
-    const failed = FAILED[it.reason];
+    const failed = failureText(it);
     node = h("div", {
       class: "turn-meta", "data-testid": "turn-latency", "data-seq": it.seq,
       "data-turn-id": it.turnId, "data-reason": it.reason, "data-latency-ms": it.latency,
