@@ -405,14 +405,19 @@ async def test_an_agent_turn_sees_its_path_retry_and_edit_included(
             await end_turn(gateway, chat_id, reason="cancelled")
             ack, _ = await op(ws, chat_id, "retry")
             t3 = ack["turn_id"]
-            assert await context(t3) == await context(t2) == [
-                {"role": "user", "content": "first", "msg_id": m1},
-                {"role": "assistant", "content": "re: first"},
-                {"role": "user", "content": "second", "msg_id": m2}]
+            path = await context(t2)
+            assert await context(t3) == path  # the same messages, the same ids
+            answer = path[1]["id"]  # "e" + the seq of its message event
+            assert answer.startswith("e") and answer[1:].isdigit(), path
+            assert path == [
+                {"role": "user", "content": "first", "msg_id": m1, "id": m1},
+                {"role": "assistant", "content": "re: first", "id": answer},
+                {"role": "user", "content": "second", "msg_id": m2, "id": m2}]
             await end_turn(gateway, chat_id)
             ack, _ = await op(ws, chat_id, "edit", msg_id=m1, text="first, edited")
             assert await context(ack["turn_id"]) == [
-                {"role": "user", "content": "first, edited", "msg_id": ack["msg_id"]}]
+                {"role": "user", "content": "first, edited", "msg_id": ack["msg_id"],
+                 "id": ack["msg_id"]}]
             await end_turn(gateway, chat_id)
             for i in range(8):  # a long conversation on the edited branch
                 await exchange(ws, gateway, chat_id, f"q{i}")

@@ -10,6 +10,10 @@ turn and hands the events here. The messages, in order:
   tool calls of a turn, and ``{"role": "tool", "tool_call_id": id, "content": result}`` for
   each result.
 
+Every message has a stable ``id``, the same each time the path is read: a user message's
+``msg_id``; for the others ``e<seq>``, the seq of the event it comes from (of the first
+``tool_call`` of a group). Protocols that name messages (AG-UI) take it as theirs.
+
 The window obeys the rules that keep a model's input legal: it starts at a user message
 (never mid-turn, never with a tool result whose call was cut off), the message budget is
 applied first, then the token budget from the tail; assistant messages with nothing in them
@@ -30,13 +34,15 @@ def messages_of(events: list[dict[str, Any]]) -> list[Message]:
         kind, data = event.get("type"), event.get("data") or {}
         if not isinstance(data, dict):
             continue
+        seq = event.get("seq")
+        ident = f"e{seq}" if seq is not None else None
         if kind == "user_message":
             out.append({"role": "user", "content": str(data.get("text", "")),
-                        "msg_id": data.get("msg_id")})
+                        "msg_id": data.get("msg_id"), "id": data.get("msg_id")})
         elif kind == "message":
             text = data.get("text")
             if isinstance(text, str) and text:
-                message: Message = {"role": "assistant", "content": text}
+                message: Message = {"role": "assistant", "content": text, "id": ident}
                 if data.get("partial"):
                     message["partial"] = True
                 out.append(message)
@@ -46,10 +52,11 @@ def messages_of(events: list[dict[str, Any]]) -> list[Message]:
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append({"role": "assistant", "content": "", "tool_calls": [call],
+                            "id": ident})
         elif kind == "tool_result":
             out.append({"role": "tool", "tool_call_id": data.get("call_id"),
-                        "content": data.get("result")})
+                        "content": data.get("result"), "id": ident})
     return out
 
 

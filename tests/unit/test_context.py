@@ -11,7 +11,7 @@ def ev(kind: str, **data: Any) -> dict[str, Any]:
     return {"type": kind, "data": data}
 
 
-EXCHANGE = [
+EXCHANGE = [{**event, "seq": seq} for seq, event in enumerate([
     ev("user_message", text="weather?", msg_id="m1"),
     ev("turn_start", turn_id="t1"),
     ev("tool_call", call_id="c1", name="forecast", args={"city": "Lisbon"}),
@@ -22,19 +22,21 @@ EXCHANGE = [
     ev("message", text="Rain, then", partial=True),
     ev("message", text=""),  # nothing in it: dropped
     ev("title", title="Weather"),
-]
+], 1)]
 
 
-def test_events_become_chat_messages_with_roles() -> None:
+def test_events_become_chat_messages_with_roles_and_stable_ids() -> None:
+    # ids: a user message's msg_id, else "e" + the seq of the event it comes from.
     assert messages_of(EXCHANGE) == [
-        {"role": "user", "content": "weather?", "msg_id": "m1"},
-        {"role": "assistant", "content": "",
+        {"role": "user", "content": "weather?", "msg_id": "m1", "id": "m1"},
+        {"role": "assistant", "content": "", "id": "e3",
          "tool_calls": [{"id": "c1", "name": "forecast", "args": {"city": "Lisbon"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-        {"role": "assistant", "content": "Sunny."},
-        {"role": "user", "content": "and tomorrow?", "msg_id": "m2"},
-        {"role": "assistant", "content": "Rain, then", "partial": True},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny", "id": "e4"},
+        {"role": "assistant", "content": "Sunny.", "id": "e5"},
+        {"role": "user", "content": "and tomorrow?", "msg_id": "m2", "id": "m2"},
+        {"role": "assistant", "content": "Rain, then", "partial": True, "id": "e8"},
     ]
+    assert messages_of(EXCHANGE) == messages_of(EXCHANGE)  # the same ids on every read
 
 
 def test_the_message_budget_never_starts_mid_turn() -> None:
