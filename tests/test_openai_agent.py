@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.sdk.agent import Turn
+from gateway.sdk.agent import AgentWorker, Turn
 from gateway.sdk.drivers.openai import UNANSWERED, OpenAIAgent, chat_messages
 
 from .conftest import free_port
@@ -56,7 +56,7 @@ class Plan:
     delay: float = 0.0  # seconds between chunks
     status: int = 200  # not 200: this status with ``body``, and no stream
     body: Any = None
-    then: str = "done"  # after the text: "done", "garbage", "silent" or "error"
+    then: str = "done"  # after the text: "done", "garbage", "error", "drop" or "silent"
 
 
 class ModelServer:
@@ -124,6 +124,8 @@ class ModelServer:
             if plan.then == "error":
                 yield b'data: {"error": {"message": "the GPU fell over", "code": 500}}\n\n'
                 await asyncio.Event().wait()
+            if plan.then == "drop":
+                raise ConnectionAbortedError("the model server died")  # uvicorn cuts it
             if plan.then == "silent":
                 await asyncio.Event().wait()  # until the client leaves
             yield chunk({}, "tool_calls" if plan.calls else "stop")
@@ -175,11 +177,12 @@ async def model_server(port: int = 0) -> AsyncIterator[ModelServer]:
 
 
 @contextlib.asynccontextmanager
-async def driven(redis_url: str, group: str, agent: OpenAIAgent) -> AsyncIterator[OpenAIAgent]:
+async def driven(redis_url: str, group: str, agent: OpenAIAgent,
+                 **options: Any) -> AsyncIterator[AgentWorker]:
     """A worker running ``agent`` (no coalescing, so the partial text is exact)."""
-    async with agent_worker(redis_url, agent, group, delta_window_ms=0):
+    async with agent_worker(redis_url, agent, group, delta_window_ms=0, **options) as worker:
         try:
-            yield agent
+            yield worker
         finally:
             await agent.aclose()
 
@@ -393,8 +396,7 @@ async def test_the_model_server_down_ends_the_turn_with_an_error_within_seconds(
         took = time.monotonic() - started
     end = frames[-1]["data"]
     assert end["reason"] == "error"
-    assert end["error"] == (f"The model server at {url} cannot be reached "
-                            "(connection refused).")
+    assert end["error"] == "The model server cannot be reached (connection refused)."
     assert 3 < took < 8, took  # tried again with backoff, then gave up: seconds, not minutes
 
 
@@ -437,6 +439,8 @@ async def test_a_refused_connection_is_tried_again_until_the_server_is_up(
                  "sent a chunk that could not be read.", id="bad-chunk"),
     pytest.param(Plan(text=["Hel"], then="error"),
                  "The model server reported an error: the GPU fell over", id="error-event"),
+    pytest.param(Plan(text=["Hel"], then="drop"),
+                 "The connection to the model server was lost mid-answer.", id="dropped"),
 ])
 async def test_a_failing_model_server_ends_the_turn_with_a_readable_error(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str, plan: Plan, error: str
@@ -478,3 +482,38 @@ async def test_silence_past_the_idle_timeout_ends_the_turn(
     assert end["error"] == "The model server sent nothing for 0.5 seconds."
     assert took < 3, took
     assert of_type(frames, "message")[0]["data"]["text"] == "Thinking"
+
+
+# --- a crashed worker ---------------------------------------------------------------------------
+
+
+async def test_a_worker_lost_mid_answer_is_replaced_by_a_fresh_attempt(
+    gateway: Any, redis_url: str, group: str, user: str, chat_id: str
+) -> None:
+    """The worker stops mid-stream without ending the turn (its handler cancelled, as a
+    crash leaves it): another worker takes the turn over, and its new attempt replaces the
+    partial stream on every device; history keeps one whole answer."""
+    words = [f"w{n} " for n in range(200)]
+    async with model_server() as model:
+        model.plans = [Plan(text=words, delay=0.05), Plan(text=["a ", "fresh ", "answer"])]
+        async with connect(gateway.url(user)) as ws:
+            await ws.subscribe(chat_id)
+            frames: list[Frame] = []
+            async with driven(redis_url, group, OpenAIAgent(model.url, MODEL)) \
+                    as crashed:
+                await send_message(ws, chat_id, "talk a lot")
+                frames.append(await ws.wait_for(lambda f: f["type"] == "delta"
+                                                and f["data"]["text"].startswith("w2 ")))
+                await crashed.stop(grace=0)  # the handler is cancelled mid-stream
+                async with asyncio.timeout(2):
+                    await model.disconnected.wait()  # and its request closed
+            async with driven(redis_url, group, OpenAIAgent(model.url, MODEL),
+                              claim_idle=0.3):
+                frames += await until_turn_end(ws, chat_id)
+    types = kinds(frames)
+    assert types[0] == "delta" and "stream_discarded" in types, types
+    assert types[-2:] == ["message", "turn_end"], types
+    assert frames[-1]["data"]["reason"] == "complete"
+    assert of_type(frames, "message")[0]["data"]["text"] == "a fresh answer"
+    assert "partial" not in of_type(frames, "message")[0]["data"]
+    assert len(model.requests) == 2 and model.requests[0] == model.requests[1]

@@ -130,7 +130,7 @@ class OpenAIAgent:
             await run.run(chat_messages(history, self.system))
         except ModelError as exc:
             message = self.scrub(str(exc))
-            log.warning("%r: %s", turn, message)
+            log.warning("%r: %s (%s)", turn, message, self.where)
             await turn.end(usage=run.usage, reason="error", error=message)
             return
         # Done, or stopped: a cancelled turn ends as "cancelled" (Turn.end sees it).
@@ -296,7 +296,7 @@ class _Run:
                 except _Stopped:
                     return
                 except TimeoutError:
-                    raise ModelError(f"The model server sent nothing for "
+                    raise ModelError("The model server sent nothing for "
                                      f"{self.agent.idle_timeout:g} seconds.") from None
                 except Exception as exc:
                     raise self._failure(exc) from None
@@ -321,8 +321,8 @@ class _Run:
             except _Stopped:
                 return None
             except TimeoutError:
-                raise ModelError(f"The model server at {self.agent.where} did not answer "
-                                 f"within {self.agent.request_timeout:g} seconds.") from None
+                raise ModelError("The model server did not answer within "
+                                 f"{self.agent.request_timeout:g} seconds.") from None
             except openai.APIConnectionError as exc:
                 if not _cannot_connect(exc) or not delays:
                     raise self._failure(exc) from None
@@ -357,29 +357,28 @@ class _Run:
 
     def _failure(self, exc: BaseException) -> ModelError:
         """``exc``, raised reading the model server, in words."""
-        where = self.agent.where
         if isinstance(exc, ModelError):
             return exc
         if isinstance(exc, openai.APIStatusError):
             phrase = getattr(exc.response, "reason_phrase", "") or ""
-            head = f"The model server at {where} answered {exc.status_code} {phrase}".rstrip()
+            head = f"The model server answered {exc.status_code} {phrase}".rstrip()
             detail = _detail(exc.body)
             return ModelError(f"{head}: {detail}" if detail else f"{head}.")
         if isinstance(exc, openai.APITimeoutError):
-            return ModelError(f"The model server at {where} did not answer in time.")
+            return ModelError("The model server did not answer in time.")
         if isinstance(exc, openai.APIConnectionError):
             if _cannot_connect(exc):
                 why = "connection refused" if _in_chain(exc, ConnectionRefusedError) else \
                     "cannot connect"
-                return ModelError(f"The model server at {where} cannot be reached ({why}).")
-            return ModelError(f"The connection to the model server at {where} was lost"
+                return ModelError(f"The model server cannot be reached ({why}).")
+            return ModelError("The connection to the model server was lost"
                               f"{' mid-answer' if self.received else ''}.")
         if isinstance(exc, openai.APIError):  # an error event in the stream
             detail = _detail(exc.body) or _clean(exc.message)
             return ModelError(f"The model server reported an error: {detail}"
                               if detail else "The model server reported an error.")
         log.info("%r: unreadable chunk: %s", self.turn, type(exc).__name__)
-        return ModelError(f"The model server at {where} sent a chunk that could not be read.")
+        return ModelError("The model server sent a chunk that could not be read.")
 
     async def _take(self, piece: _Piece) -> None:
         self.received = True
