@@ -23,13 +23,20 @@ from typing import Any
 
 import pytest
 import uvicorn
+from openai.types.chat import ChatCompletionChunk
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.sdk.agent import AgentWorker, Turn
-from gateway.sdk.drivers.openai import UNANSWERED, OpenAIAgent, chat_messages
+from gateway.sdk.drivers.openai import (
+    UNANSWERED,
+    ModelError,
+    OpenAIAgent,
+    _read,
+    chat_messages,
+)
 
 from .conftest import free_port
 from .steps import op, read, send_message
@@ -56,7 +63,8 @@ class Plan:
     delay: float = 0.0  # seconds between chunks
     status: int = 200  # not 200: this status with ``body``, and no stream
     body: Any = None
-    then: str = "done"  # after the text: "done", "garbage", "error", "drop" or "silent"
+    # after the text: "done", "garbage", "error", "drop" or "silent"; "hang": no response
+    then: str = "done"
 
 
 class ModelServer:
@@ -83,6 +91,11 @@ class ModelServer:
         self.headers.append(dict(request.headers))
         self.paths.append(request.url.path)
         plan = self.plans.pop(0) if self.plans else Plan(text=["ok"])
+        if plan.then == "hang":  # no status line at all, until the client leaves
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.disconnected.set()
+            return Response(status_code=499)
         if plan.status != 200:
             if isinstance(plan.body, str):
                 return PlainTextResponse(plan.body, status_code=plan.status)
@@ -234,6 +247,26 @@ def test_history_maps_to_chat_messages() -> None:
         {"role": "user", "content": "thanks"},
     ]
     assert chat_messages([]) == []
+
+
+def test_a_chunk_is_read_for_what_the_turn_publishes() -> None:
+    def chunk(delta: dict[str, Any], usage: dict[str, Any] | None = None) -> Any:
+        return ChatCompletionChunk.model_validate({
+            "id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+            "usage": usage})
+
+    piece = _read(chunk({"reasoning": "hmm", "refusal": "I can't help with that."},
+                        {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
+                         "model": "x"}))
+    assert (piece.reasoning, piece.content) == ("hmm", "I can't help with that.")
+    assert piece.usage == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
+                           "model": "x"}
+    piece = _read(chunk({"tool_calls": [{"index": 1, "id": "c1", "type": "function",
+                                         "function": {"name": "f", "arguments": "{"}}]}))
+    assert piece.calls == [(1, "c1", "f", "{")]
+    with pytest.raises(ModelError, match="could not be read"):
+        _read(42)
 
 
 def test_the_options_are_checked_and_the_key_is_never_shown() -> None:
@@ -517,3 +550,20 @@ async def test_a_worker_lost_mid_answer_is_replaced_by_a_fresh_attempt(
     assert of_type(frames, "message")[0]["data"]["text"] == "a fresh answer"
     assert "partial" not in of_type(frames, "message")[0]["data"]
     assert len(model.requests) == 2 and model.requests[0] == model.requests[1]
+
+
+async def test_no_response_within_the_request_timeout_ends_the_turn(
+    gateway: Any, redis_url: str, group: str, user: str, chat_id: str
+) -> None:
+    async with model_server() as model:
+        model.plans = [Plan(then="hang")]
+        agent = OpenAIAgent(model.url, MODEL, request_timeout=0.5)
+        async with driven(redis_url, group, agent), connect(gateway.url(user)) as ws:
+            await ws.subscribe(chat_id)
+            frames = await turn_frames(ws, chat_id, "hi", within=5)
+            async with asyncio.timeout(2):
+                await model.disconnected.wait()  # the request was given up
+    end = frames[-1]["data"]
+    assert end["reason"] == "error"
+    assert end["error"] == "The model server did not answer within 0.5 seconds."
+    assert len(model.requests) == 1

@@ -16,12 +16,13 @@ One turn, with the official ``openai`` client:
   answered gets a ``tool`` message saying so, as servers require an answer for every call.
   The request asks for ``stream: true`` and ``stream_options.include_usage``; ``temperature``
   and ``params`` (any other request parameters, passed through) go with it.
-- **Output.** ``delta.content`` streams as the answer (``delta``, resumable), committed as
-  one ``message`` at the end; ``reasoning_content`` (or ``reasoning``), as vLLM and others
-  send it, streams as ``reasoning_delta`` and is committed as ``reasoning`` when the answer
-  starts. Each streamed tool call becomes one durable ``tool_call {call_id, name, args}``
-  once its arguments are complete (``args`` parsed from JSON; kept as text when they do not
-  parse). The usage the server reports goes in ``turn_end.usage`` as it comes.
+- **Output.** ``delta.content`` (or a ``refusal``) streams as the answer (``delta``,
+  resumable), committed as one ``message`` at the end; ``reasoning_content`` (or
+  ``reasoning``), as vLLM and others send it, streams as ``reasoning_delta`` and is
+  committed as ``reasoning`` when the answer starts. Each streamed tool call becomes one
+  durable ``tool_call {call_id, name, args}`` once its arguments are complete (``args``
+  parsed from JSON; kept as text when they do not parse). The usage the server reports goes
+  in ``turn_end.usage`` as it comes.
 - **Stop.** A cancel closes the HTTP request at once; what streamed stays as the partial
   answer (the worker ends the turn ``cancelled``). A publish refused because the turn is
   over (:class:`~gateway.sdk.agent.TurnOver`) stops the run too.
@@ -93,8 +94,8 @@ class OpenAIAgent:
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
                  system: str | None = None, temperature: float | None = None,
-                 params: Mapping[str, Any] | None = None, request_timeout: float = 30.0,
-                 idle_timeout: float = 120.0, retry_delays: Sequence[float] = RETRY_DELAYS,
+                 params: Mapping[str, Any] | None = None, request_timeout: float = 60.0,
+                 idle_timeout: float = 60.0, retry_delays: Sequence[float] = RETRY_DELAYS,
                  history_messages: int = 120, history_tokens: int = 0) -> None:
         if not base_url:
             raise ValueError("base_url is required")
@@ -465,8 +466,9 @@ def _read(chunk: Any) -> _Piece:
                 if isinstance(value, str) and value:
                     piece.reasoning += value
                     break
-            if isinstance(delta.content, str):
-                piece.content += delta.content
+            for text in (delta.content, getattr(delta, "refusal", None)):
+                if isinstance(text, str):
+                    piece.content += text  # a refusal is the answer a person reads
             for n, call in enumerate(delta.tool_calls or ()):
                 index = call.index if isinstance(call.index, int) else n
                 function = call.function
