@@ -394,6 +394,9 @@ class _Run:
 
     async def _on(self, event: BaseEvent) -> Ending | None:
         turn = self.turn
+        if isinstance(event, RunErrorEvent):  # what is open stays the partial answer
+            return Ending(usage=_usage(event.usage),
+                          error=event.message.strip() or "The agent reported an error.")
         # A run of chunks ends at the next event of another kind.
         if self.text_chunked and not isinstance(event, TextMessageChunkEvent):
             await self.commit_text()
@@ -479,9 +482,6 @@ class _Run:
             for call_id in list(self.calls):
                 await self.finish_call(call_id)
             return Ending(usage=_usage(event.usage))
-        elif isinstance(event, RunErrorEvent):
-            return Ending(usage=_usage(event.usage),
-                          error=event.message.strip() or "The agent reported an error.")
         # RUN_STARTED, MESSAGES_SNAPSHOT, RAW, ACTIVITY_*, REASONING_START,
         # REASONING_ENCRYPTED_VALUE, SUBAGENT_*: nothing to publish.
         return None
