@@ -28,6 +28,7 @@ from .auth import AuthError, Principal, check_access
 from .errors import ErrorBody, ErrorDetail, Rejected
 from .events import TYPED_EVENT, AgentEventType, EventList, PublishBatch, PublishEvent
 from .openapi import Api
+from .redis.agent_registry import LiveAgent
 from .redis.listing import CURSOR_PATTERN, ListFilter, Place
 from .redis.records import Meta
 
@@ -72,6 +73,9 @@ class NewConversation(msgspec.Struct, frozen=True):
     chat_id: p.ChatId | None = None
     title: p.Title | None = None
     parent_chat_id: p.ChatId | None = None  # a sub-conversation of this one
+    # The agent that answers it: GATEWAY_DEFAULT_AGENT, or for a sub-conversation its
+    # parent's, when none is named.
+    agent: p.AgentName | None = None
 
 
 class Rename(msgspec.Struct, frozen=True):
@@ -95,6 +99,7 @@ class ListQuery(msgspec.Struct, frozen=True):
     updated_after: Millis | UnsetType = UNSET
     updated_before: Millis | UnsetType = UNSET
     include_children: bool = False  # conversations with a parent too
+    agent: p.AgentName | UnsetType = UNSET  # the ones that agent answers
 
     def wanted(self) -> ListFilter:
         def given(value: T | UnsetType) -> T | None:
@@ -103,7 +108,7 @@ class ListQuery(msgspec.Struct, frozen=True):
         return ListFilter(status=given(self.status), q=given(self.q),
                           updated_after=given(self.updated_after),
                           updated_before=given(self.updated_before),
-                          include_children=self.include_children)
+                          include_children=self.include_children, agent=given(self.agent))
 
 
 class HistoryQuery(msgspec.Struct, frozen=True):
@@ -219,6 +224,7 @@ class Conversation(msgspec.Struct, frozen=True):
     usage: p.UsageTotals
     message_count: int  # user messages and turns on the active path
     parent: str | None = None  # a sub-conversation: its parent's chat_id
+    agent: str = "default"  # the agent that answers it
 
     @classmethod
     def of(cls, chat_id: str, meta: Meta) -> Conversation:
@@ -227,7 +233,7 @@ class Conversation(msgspec.Struct, frozen=True):
                    "running" if meta.status == "running" else "idle", meta.turn_id,
                    meta.epoch, meta.seq, meta.created_at, meta.updated_at, goal, meta.preview,
                    meta.head, p.UsageTotals.of(meta.usage_billed, meta.usage_active),
-                   meta.message_count, parent=meta.parent)
+                   meta.message_count, parent=meta.parent, agent=meta.agent)
 
 
 class Children(msgspec.Struct, frozen=True):
@@ -532,9 +538,10 @@ async def create_conversation(request: Request) -> Response:
     chat_id = spec.chat_id or "c_" + secrets.token_hex(8)
     conversations = _gateway(request).conversations
     if spec.parent_chat_id is not None:
-        await conversations.create_child(who, spec.parent_chat_id, chat_id, spec.title)
+        await conversations.create_child(who, spec.parent_chat_id, chat_id, spec.title,
+                                         spec.agent or "")
     else:
-        await conversations.create(who, chat_id, spec.title)
+        await conversations.create(who, chat_id, spec.title, spec.agent or "")
     meta = await _owned(request, who, chat_id)
     return JSONResponse(_encode(Conversation.of(chat_id, meta)), status_code=201)
 
@@ -579,6 +586,22 @@ async def children(request: Request) -> Response:
     await _owned(request, _principal(request), chat_id)
     found = await _gateway(request).conversations.children(chat_id)
     return JSONResponse(_encode(Children(chat_id, found)))
+
+
+class Agents(msgspec.Struct, frozen=True):
+    agents: list[LiveAgent]  # by name
+
+
+@API.operation(
+    "GET", "/v1/agents", summary="The agents with a live worker now (any token)",
+    description="Each agent name with at least one worker that announced itself within "
+    "the last 10 s: its `kind` (`handler`, `ag-ui` or `openai`) and how many workers it has. "
+    "A conversation may name any agent; one with no worker waits until the turn timeout.",
+    reply=Agents, errors=(503,),
+)
+async def agents(request: Request) -> Response:
+    _principal(request)
+    return JSONResponse(_encode(Agents(await _gateway(request).conversations.agents.live())))
 
 
 @API.operation(

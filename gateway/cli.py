@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import secrets
 import signal
 import sys
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from . import discovery, logs
+from . import protocol as p
 from .auth import Principal, issue_token
 from .config import ConfigError, Settings, data_path, load_settings
 from .errors import Rejected
@@ -109,7 +111,7 @@ def _demo_agent(gateway: Gateway) -> Companion:
     from .sdk.demo_agent import handle
 
     # A stable name: restarted, this process resumes the turns it was running.
-    worker = AgentWorker(gateway.backend.client, gateway.settings, handle,
+    worker = AgentWorker(gateway.backend.client, gateway.settings, handle, name="default",
                          consumer=stable_consumer(gateway.settings.port))
     COUNTS.agents.append(worker.stats)  # its reclaims, in /metrics
     return _Stopping(worker, grace=3)
@@ -301,15 +303,20 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except (ImportError, AttributeError, ValueError) as exc:
         print(f"gateway agent: cannot load {args.handler}: {exc}", file=sys.stderr)
         return 2
+    if args.name is not None and not re.match(p.AGENT_NAME_PATTERN, args.name):
+        print(f"gateway agent: --name must match {p.AGENT_NAME_PATTERN}", file=sys.stderr)
+        return 2
     note = discovery.read_note()
-    if (not settings.redis_url and note is not None and note.demo_agent
+    if ((args.name or settings.default_agent) == "default"
+            and not settings.redis_url and note is not None and note.demo_agent
             and Path(note.data_dir) == data_path(settings)):
         print("gateway agent: the gateway serving from "
               f"{note.data_dir} runs the demo agent too, and the two share its turns; "
               "restart it with GATEWAY_DEMO_AGENT=0 to have this agent answer them all",
               file=sys.stderr, flush=True)
     return asyncio.run(serve(
-        handler, _redis_url(settings), settings, group=args.group, consumer=args.consumer,
+        handler, _redis_url(settings), settings, name=args.name, group=args.group,
+        consumer=args.consumer,
         concurrency=args.concurrency, claim_idle=args.claim_idle, start_id=args.start_id))
 
 
@@ -363,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     agent = sub.add_parser("agent", help="run an agent worker: MODULE:HANDLER per turn")
     agent.add_argument("handler", help="async handler, e.g. gateway.sdk.demo_agent:handle")
+    agent.add_argument("--name", help="the agent it answers for (default: "
+                       "GATEWAY_DEFAULT_AGENT, itself `default`)")
     agent.add_argument("--group", default="agents", help="consumer group (default: agents)")
     agent.add_argument("--consumer", help="consumer name (default: host-pid-random)")
     agent.add_argument("--concurrency", type=int, default=16, help="turns run at once")

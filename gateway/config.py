@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from .protocol import AGENT_NAME_PATTERN
+
 
 class ConfigError(ValueError):
     """A ``GATEWAY_*`` variable has a value the gateway cannot use."""
@@ -27,6 +29,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     data_dir: str = ".gateway"
     dev: bool = False  # dev mode: prints a token, serves the demo page
     demo_agent: bool = False  # run the demo agent inside the gateway (embedded default, dev)
+    default_agent: str = "default"  # the agent that answers a conversation that names none
     auto_create: bool = True  # subscribe/message to an unknown chat creates it
     # Seconds any Redis call may take (connect, or one reply) before it fails: a frozen
     # server fails requests and /readyz in bounded time instead of hanging them.
@@ -117,6 +120,8 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
         raise ConfigError(f"{_ENV_PREFIX}CONVERSATION_TTL must be 0 (off) or seconds")
     if settings.wait_replicas < 0:
         raise ConfigError(f"{_ENV_PREFIX}WAIT_REPLICAS must not be negative")
+    if not re.match(AGENT_NAME_PATTERN, settings.default_agent):
+        raise ConfigError(f"{_ENV_PREFIX}DEFAULT_AGENT must match {AGENT_NAME_PATTERN}")
     for kind in settings.stream_types:
         if not re.match(r"^(delta|[a-z][a-z0-9_.]{0,57}_delta)$", kind):
             raise ConfigError(f"{_ENV_PREFIX}STREAM_TYPES: {kind!r} is not `delta` or `X_delta`")

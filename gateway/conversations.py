@@ -24,6 +24,7 @@ from .errors import Rejected
 from .events import PublishEvent, clean_title, now_ms, to_out_event
 from .metrics import COUNTS
 from .redis.agent_inbox import AgentInbox, Handoff
+from .redis.agent_registry import AgentRegistry
 from .redis.records import Meta, OutEvent, Published, TreeOp
 from .redis.store import NotReplicated, Store
 
@@ -49,6 +50,7 @@ class Conversations:
         self.store = store
         self.settings = settings
         self.inbox = AgentInbox(store)
+        self.agents = AgentRegistry(store.pipeline)
 
     async def post_message(self, who: Principal, req: p.Message) -> p.Ack:
         """Append the user's message under the head and start its turn; a retried
@@ -162,7 +164,7 @@ class Conversations:
                 seq = taken.seq if taken is not None and op.kind == "retry" else first
                 deadline = result.ts + int(self.settings.turn_timeout * 1000)
                 try:
-                    await self.inbox.hand_off(handoff, seq, result.ts, deadline)
+                    await self.inbox.hand_off(handoff, seq, result.ts, deadline, result.agent)
                 except (RedisError, OSError) as exc:  # the message stands: acknowledge it
                     log.warning("handing off %s %s: %s; the sweeper will", chat_id,
                                 handoff.turn_id, exc)
@@ -181,7 +183,7 @@ class Conversations:
             with contextlib.suppress(RedisError, OSError):  # the turn is over either way
                 await self.inbox.to_inbox(chat_id, {
                     "kind": "cancel", "chat_id": chat_id, "turn_id": result.cancelled,
-                    "seq": str(result.last_seq), "user_id": who.user_id})
+                    "seq": str(result.last_seq), "user_id": who.user_id}, result.agent)
 
     async def cancel(self, who: Principal, req: p.Cancel) -> p.Ack:
         result = await self.store.publish(
@@ -192,7 +194,7 @@ class Conversations:
         await self.inbox.to_inbox(req.chat_id, {
             "kind": "cancel", "chat_id": req.chat_id, "turn_id": result.turn_id or "",
             "seq": str(result.seqs[0]), "user_id": who.user_id,
-        })
+        }, result.agent)
         return p.Ack(req.chat_id, result.seqs[0], None, result.turn_id, False, req.id)
 
     async def publish(self, who: Principal, chat_id: str, events: list[PublishEvent],
@@ -208,12 +210,14 @@ class Conversations:
             writer=who.writer(), turn=turn_id or "",
         )
 
-    async def create(self, who: Principal, chat_id: str, title: str | None) -> None:
-        """Create a conversation owned by ``who``; ``conflict`` if the id is taken."""
+    async def create(self, who: Principal, chat_id: str, title: str | None,
+                     agent: str = "") -> None:
+        """Create a conversation owned by ``who``, answered by ``agent`` (else the
+        default); ``conflict`` if the id is taken."""
         clean = clean_title(title) if title is not None else None
         try:
             result = await self.store.publish(chat_id, [], create_owner=who.user_id,
-                                              writer=who.user_id)
+                                              create_agent=agent, writer=who.user_id)
         except Rejected as exc:
             if exc.code != "forbidden":
                 raise
@@ -224,11 +228,12 @@ class Conversations:
             await self.rename(who, chat_id, clean)
 
     async def create_child(self, who: Principal, parent: str, chat_id: str,
-                           title: str | None) -> None:
+                           title: str | None, agent: str = "") -> None:
         """Create a sub-conversation of ``parent`` (its owner's or a service's to open),
-        owned by the parent's owner (:meth:`Store.open_child`)."""
+        owned by the parent's owner (:meth:`Store.open_child`), answered by ``agent``
+        (else the parent's)."""
         clean = clean_title(title) if title is not None else None
-        await self.store.open_child(parent, chat_id, clean, writer=who.writer())
+        await self.store.open_child(parent, chat_id, clean, writer=who.writer(), agent=agent)
 
     async def children(self, chat_id: str,
                        ids: list[str] | None = None) -> list[p.ChildSummary]:
@@ -247,13 +252,18 @@ class Conversations:
         )
 
     async def end_overdue_turns(self) -> int:
-        """End every turn past its deadline with ``reason: timeout``; returns how many."""
+        """End every turn past its deadline with ``reason: timeout``; returns how many.
+        When its agent had no live worker, ``error`` says so."""
         ended = 0
         for chat_id, turn_id in await self.inbox.due_turns(now_ms()):
+            data: dict[str, str] = {"reason": "timeout"}
+            meta = await self.store.meta(chat_id)
+            if meta is not None and not await self.agents.has_worker(meta.agent):
+                data["error"] = (f"No worker of the agent {meta.agent!r} is running, so "
+                                 f"nothing answered.")
             try:
                 await self.store.publish(
-                    chat_id, [OutEvent(type="turn_end", data=b'{"reason":"timeout"}',
-                                       turn_id=turn_id)]
+                    chat_id, [OutEvent(type="turn_end", data=_encode(data), turn_id=turn_id)]
                 )
                 ended += 1
                 COUNTS.turn_timeouts += 1
@@ -279,7 +289,7 @@ class Conversations:
             started_at = meta.started_at or now_ms()
             deadline = started_at + int(self.settings.turn_timeout * 1000)
             seq = await self._message_seq(handoff.chat_id, handoff.turn_id, meta)
-            if await self.inbox.hand_off(handoff, seq, started_at, deadline):
+            if await self.inbox.hand_off(handoff, seq, started_at, deadline, meta.agent):
                 log.info("handed off %s %s for a gateway that did not", handoff.chat_id,
                          handoff.turn_id)
                 handed += 1

@@ -49,8 +49,8 @@ class Hub:
         self._feeds: dict[bytes, dict[Member, None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reads_started = 0
-        # In-flight history reads: (chat, after, limit, creator) -> (its number, its task).
-        self._reads: dict[tuple[str, int | None, int, str],
+        # In-flight history reads: (chat, after, limit, creator, agent) -> (its number, its task).
+        self._reads: dict[tuple[str, int | None, int, str, str],
                           tuple[int, asyncio.Task[History]]] = {}
 
     async def start(self) -> None:
@@ -102,7 +102,7 @@ class Hub:
         return self._reads_started
 
     async def read(self, chat_id: str, after: int | None, limit: int, joined: int,
-                   create_owner: str = "") -> History:
+                   create_owner: str = "", create_agent: str = "") -> History:
         """The store's atomic read, shared by concurrent joiners of the same room asking
         from the same position (a reconnect storm after a deploy, a network blip).
 
@@ -110,13 +110,14 @@ class Hub:
         :meth:`mark`): frames published before that read are in it, and frames published
         after it reach the joiner live, so the merge by seq stays gapless.
         """
-        key = (chat_id, after, limit, create_owner)
+        key = (chat_id, after, limit, create_owner, create_agent)
         shared = self._reads.get(key)
         if shared is not None and shared[0] > joined:
             return await asyncio.shield(shared[1])
         self._reads_started += 1
         number = self._reads_started
-        task = asyncio.ensure_future(self._store.read(chat_id, after, limit, create_owner))
+        task = asyncio.ensure_future(self._store.read(chat_id, after, limit, create_owner,
+                                                      create_agent))
         self._reads[key] = (number, task)
 
         def forget(_: object) -> None:

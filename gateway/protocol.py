@@ -36,6 +36,9 @@ TITLE_MAX = 200
 _SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 Title = Annotated[str, msgspec.Meta(min_length=1, max_length=TITLE_MAX, pattern=f"[^{_SPACE}]")]
 NodeId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+# An agent's name (a conversation's `agent`, `gateway agent --name`, GATEWAY_DEFAULT_AGENT).
+AGENT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+AgentName = Annotated[str, msgspec.Meta(pattern=AGENT_NAME_PATTERN)]
 # The head a tree operation expects: absent for any, null for none (an empty conversation).
 ExpectedHead = NodeId | None | msgspec.UnsetType
 
@@ -60,6 +63,7 @@ class Subscribe(msgspec.Struct, tag="subscribe", tag_field="type", frozen=True):
     since: Since | None = None
     id: RequestId | None = None
     create: bool = True  # false: a conversation that does not exist is not_found, not created
+    agent: AgentName | None = None  # the agent that answers it, when this creates it
 
 
 class Unsubscribe(msgspec.Struct, tag="unsubscribe", tag_field="type", frozen=True):
@@ -199,8 +203,6 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     turn_id: str | None
     started_at: int | None
     goal_state: msgspec.Raw | None
-    # The agent's state, the last `state` event's snapshot; omitted when there is none.
-    state: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     # Omitted only when the connection already holds every open stream (an intact buffer
     # drain, or a subscribe to a chat that is already live).
     streams: list[StreamSnapshot] | None = None
@@ -208,6 +210,8 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     usage: UsageTotals | None = None
     message_count: int | None = None  # user messages and turns on the active path
     children: list[ChildSummary] | msgspec.UnsetType = msgspec.UNSET  # omitted: none
+    # The agent's state, the last `state` event's snapshot; omitted when there is none.
+    state: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):

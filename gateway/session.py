@@ -577,7 +577,8 @@ class Session:
         try:
             caught = await catch_up(self.hub, chat_id, self.principal, since,
                                     self.settings.replay_limit,
-                                    self.hub.mark() if joined is None else joined, create)
+                                    self.hub.mark() if joined is None else joined, create,
+                                    req.agent or "")
             children = await self.gateway.conversations.children(
                 chat_id, caught.children) if caught.children else []
         except Rejected as exc:

@@ -43,14 +43,16 @@ class CaughtUp(NamedTuple):
 
 
 async def catch_up(hub: Hub, chat_id: str, who: Principal, since: p.Since | None,
-                   limit: int, joined: int, create_owner: str = "") -> CaughtUp:
+                   limit: int, joined: int, create_owner: str = "",
+                   create_agent: str = "") -> CaughtUp:
     """Steps 2-4 for a reader that joined the room (``joined`` is the hub's mark then).
 
     Raises :class:`~gateway.errors.Rejected` (``not_found``, ``forbidden``) when the reader
-    may not have it; with ``create_owner``, a conversation that does not exist is created.
+    may not have it; with ``create_owner``, a conversation that does not exist is created,
+    answered by ``create_agent`` (else the default agent).
     """
     after = since.seq if since is not None else None
-    history = await hub.read(chat_id, after, limit + 1, joined, create_owner)
+    history = await hub.read(chat_id, after, limit + 1, joined, create_owner, create_agent)
     meta = check_access(who, history.meta, chat_id)
     room = hub.room(chat_id)
     if room is not None:

@@ -265,7 +265,7 @@ async def test_a_turn_completes_a_child_its_crashed_run_half_opened(
     fields = {"chat_id": chat_id, "turn_id": "t_" + uuid.uuid4().hex[:16]}
     child = f"{fields['turn_id']}.c0"  # the id Turn.open_child gives its first child
     # The first run wrote the child, then crashed before its parent heard of it.
-    await store.pipeline.evalsha(*store._child.call(child, user, chat_id, "e1"))
+    await store.pipeline.evalsha(*store._child.call(child, user, chat_id, "e1", "default"))
     assert await store.children(chat_id) == []
     assert await Turn(store, fields).open_child("Again") == child
     assert [c for c, _ in await store.children(chat_id)] == [child]

@@ -10,9 +10,13 @@ at once; should that gateway die in between, a sweeper runs it once the entry is
 the conversation shows the turn running. Whichever comes first hands off, exactly once: a
 crash delays a turn by :data:`HANDOFF_GRACE`, it does not lose it.
 
+Each agent name has its own inbox (a conversation names the agent that answers it), so a
+worker of one agent never takes another's turns; the default agent keeps the plain key.
+
 Key layout, per partition (one hash tag, so one cluster slot, per partition)::
 
-    inbox:{<tag>}    stream: messages and cancels, read by consumer groups
+    inbox:{<tag>}    stream: the default agent's messages and cancels, read by consumer
+                     groups; inbox:<agent>:{<tag>} another agent's
     turns:{<tag>}    sorted set: running turns by timeout deadline ("chat turn_id")
     outbox:{<tag>}   sorted set: hand-offs to do (a :class:`Handoff` as JSON), by the time
                      a sweeper may do them
@@ -47,6 +51,7 @@ log = logging.getLogger("gateway.inbox")
 HANDOFF_GRACE = 5.0  # seconds from staging a hand-off until a sweeper may do it itself
 HANDED_KEEP_MS = 3_600_000  # how long a hand-off is remembered: far past any late publish
 DEFAULT_PARTITIONS = Settings().inbox_partitions
+DEFAULT_AGENT = "default"  # the agent of a conversation from before named agents
 
 
 class InboxGroup(NamedTuple):
@@ -71,6 +76,10 @@ class Partition:
     @property
     def inbox(self) -> str:
         return f"inbox:{{{self.tag}}}"
+
+    def inbox_of(self, agent: str) -> str:
+        """The inbox stream of the agent named ``agent`` (the default's: :attr:`inbox`)."""
+        return self.inbox if agent == DEFAULT_AGENT else f"inbox:{agent}:{{{self.tag}}}"
 
     @property
     def turns(self) -> str:
@@ -106,9 +115,10 @@ def inbox_partition(chat_id: str, count: int) -> int:
     return zlib.crc32(chat_id.encode()) % count
 
 
-def inbox_key(partition: int, count: int = DEFAULT_PARTITIONS) -> str:
-    """The inbox stream of partition ``partition`` of ``count``."""
-    return partitions(count)[partition].inbox
+def inbox_key(partition: int, count: int = DEFAULT_PARTITIONS,
+              agent: str = DEFAULT_AGENT) -> str:
+    """The inbox stream of partition ``partition`` of ``count``, of the agent ``agent``."""
+    return partitions(count)[partition].inbox_of(agent)
 
 
 class Handoff(msgspec.Struct, frozen=True):
@@ -163,9 +173,9 @@ class AgentInbox:
     def partition(self, chat_id: str) -> Partition:
         return self.partitions[inbox_partition(chat_id, len(self.partitions))]
 
-    def keys(self) -> list[str]:
-        """Every partition's inbox stream, in partition order."""
-        return [p.inbox for p in self.partitions]
+    def keys(self, agent: str = DEFAULT_AGENT) -> list[str]:
+        """Every partition's inbox stream of ``agent``, in partition order."""
+        return [p.inbox_of(agent) for p in self.partitions]
 
     async def stage(self, handoff: Handoff) -> None:
         """Record a hand-off before the message's publish; a sweeper may do it after
@@ -176,12 +186,12 @@ class AgentInbox:
         self.store.check_replicated(replicas)  # refused: nothing was published yet
 
     async def hand_off(self, handoff: Handoff, seq: int, started_at: int,
-                       deadline_ms: int) -> bool:
-        """Append the turn's inbox entry and arm its timeout unless that was done already;
-        returns whether this call did it."""
+                       deadline_ms: int, agent: str = DEFAULT_AGENT) -> bool:
+        """Append the turn's entry to ``agent``'s inbox and arm its timeout unless that was
+        done already; returns whether this call did it."""
         part = self.partition(handoff.chat_id)
         reply = await self.store.pipeline.evalsha(
-            _handoff_script(), [part.handed, part.outbox, part.inbox, part.turns],
+            _handoff_script(), [part.handed, part.outbox, part.inbox_of(agent), part.turns],
             [f"{handoff.chat_id} {handoff.turn_id}", handoff.member, deadline_ms,
              self.settings.inbox_maxlen, _now_ms(), HANDED_KEEP_MS,
              *handoff.entry(seq, started_at)])
@@ -205,13 +215,14 @@ class AgentInbox:
                     await self.store.pipeline.execute("ZREM", part.outbox, member)
         return due
 
-    async def to_inbox(self, chat_id: str, entry: dict[str, str]) -> None:
-        """Append an entry that needs no outbox (a cancel: a turn also looks for one in its
-        conversation when it starts)."""
+    async def to_inbox(self, chat_id: str, entry: dict[str, str],
+                       agent: str = DEFAULT_AGENT) -> None:
+        """Append an entry that needs no outbox to ``agent``'s inbox (a cancel: a turn also
+        looks for one in its conversation when it starts)."""
         fields = [item for pair in entry.items() for item in pair]
         await self.store.pipeline.execute(
-            "XADD", self.partition(chat_id).inbox, "MAXLEN", "~", self.settings.inbox_maxlen,
-            "*", *fields)
+            "XADD", self.partition(chat_id).inbox_of(agent), "MAXLEN", "~",
+            self.settings.inbox_maxlen, "*", *fields)
 
     async def due_turns(self, now_ms: int, limit: int = 100) -> list[tuple[str, str]]:
         """Running turns past their deadline, as (chat, turn), up to ``limit`` per partition."""

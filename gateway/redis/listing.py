@@ -50,15 +50,16 @@ class ListFilter(msgspec.Struct, frozen=True, kw_only=True):
     updated_after: int | None = None  # list time (score) > this, ms
     updated_before: int | None = None  # list time (score) < this, ms
     include_children: bool = False  # conversations with a parent too
+    agent: str | None = None  # the agent that answers it
 
     # Meta fields :meth:`matches` reads: what a selective filter fetches of each entry.
-    FIELDS = ("epoch", "status", "title", "parent")
+    FIELDS = ("epoch", "status", "title", "parent", "agent")
 
     @property
     def selective(self) -> bool:
-        """Whether it likely passes over many entries (status, title): then the walk reads
-        :attr:`FIELDS` of each entry first, and whole meta hashes only of those kept."""
-        return self.status is not None or self.q is not None
+        """Whether it likely passes over many entries (status, title, agent): then the walk
+        reads :attr:`FIELDS` of each entry first, and whole meta hashes only of those kept."""
+        return self.status is not None or self.q is not None or self.agent is not None
 
     def start(self, cursor: Place | None) -> Place | None:
         """Where the walk resumes: after the cursor, and after ``updated_before``."""
@@ -81,5 +82,7 @@ class ListFilter(msgspec.Struct, frozen=True, kw_only=True):
             return False
         if self.status is not None and \
                 (fields.get("status") == "running") != (self.status == "running"):
+            return False
+        if self.agent is not None and (fields.get("agent") or "default") != self.agent:
             return False
         return self.q is None or self.q.casefold() in (fields.get("title") or "").casefold()

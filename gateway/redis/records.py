@@ -70,6 +70,7 @@ class Published(msgspec.Struct, frozen=True):
     message: TakenMessage | None = None  # retry, undo: the message answered again, taken back
     msg_id: str | None = None  # the user message the batch added
     filed: str | None = None  # the turn the batch's other durable events belong to
+    agent: str = "default"  # the agent that answers the conversation
 
 
 class Meta(msgspec.Struct, frozen=True):
@@ -92,6 +93,7 @@ class Meta(msgspec.Struct, frozen=True):
     message_count: int = 0  # nodes on the active path: user messages and turns
     parent: str | None = None  # a sub-conversation: its parent's chat id
     state: bytes | None = None  # JSON: the agent's state (a `state` event's snapshot)
+    agent: str = "default"  # the agent that answers it
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -126,6 +128,7 @@ class Meta(msgspec.Struct, frozen=True):
             message_count=number("msgs") or 0,
             parent=text("parent"),
             state=(get("state") or "").encode() or None,
+            agent=get("agent") or "default",
         )
 
 

@@ -144,14 +144,15 @@ class PublishScript:
 
     def call(self, chat_id: str, events: list[OutEvent], *, fresh: str, create_owner: str,
              writer: str, idempotency_key: str | None, op: TreeOp | None = None,
-             turn: str = "") -> Call:
+             turn: str = "", agent: str = "") -> Call:
         s = self._settings
         keys = _conversation_keys(chat_id, s)
         if idempotency_key is not None:
             keys.append(idem_key(chat_id, idempotency_key))
         args: list[Any] = [room_channel(chat_id), s.history_maxlen, s.idempotency_ttl,
                            create_owner, fresh, chat_id, len(events), writer, self._types,
-                           s.stream_max_bytes, *_op_args(op), turn]
+                           s.stream_max_bytes, *_op_args(op), turn,
+                           agent or s.default_agent]
         for event in events:
             args += [event.type, "1" if event.durable else "0", event.data, script_arg(event)]
         return self.script, keys, args
@@ -193,9 +194,10 @@ class ReadScript:
         self._decode = msgspec.json.Decoder(_ReadReply).decode
 
     def call(self, chat_id: str, after: int | None, limit: int, *, create_owner: str,
-             fresh: str) -> Call:
+             fresh: str, create_agent: str = "") -> Call:
         return self.script, _conversation_keys(chat_id, self._settings), [
-            "" if after is None else after, limit, create_owner, fresh, chat_id, self._types]
+            "" if after is None else after, limit, create_owner, fresh, chat_id, self._types,
+            create_agent or self._settings.default_agent]
 
     def decode(self, reply: bytes) -> History:
         r = self._decode(reply)
@@ -245,8 +247,8 @@ class ChildScript:
         self.script = load("meta.lua", "child.lua")
         self._decode = msgspec.json.Decoder(ChildCreated).decode
 
-    def call(self, chat_id: str, owner: str, parent: str, fresh: str) -> Call:
-        return self.script, [meta_key(chat_id)], [owner, fresh, chat_id, parent]
+    def call(self, chat_id: str, owner: str, parent: str, fresh: str, agent: str) -> Call:
+        return self.script, [meta_key(chat_id)], [owner, fresh, chat_id, parent, agent]
 
     def decode(self, reply: bytes) -> ChildCreated:
         created: ChildCreated = self._decode(reply)

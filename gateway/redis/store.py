@@ -112,6 +112,7 @@ class Store:
         events: list[OutEvent],
         *,
         create_owner: str = "",
+        create_agent: str = "",
         idempotency_key: str | None = None,
         writer: str = "",
         op: TreeOp | None = None,
@@ -119,7 +120,9 @@ class Store:
     ) -> Published:
         """Append ``events`` in order, as the tree operation ``op`` if given; raise
         :class:`Rejected` if the state refuses them. ``turn``: the turn they are written
-        for; refused (``no_active_turn``, ``turn_mismatch``) unless it is the running one."""
+        for; refused (``no_active_turn``, ``turn_mismatch``) unless it is the running one.
+        ``create_owner`` creates a conversation that does not exist, answered by
+        ``create_agent`` (else the default agent)."""
         began = perf_counter()
         streamed, started_at = 0, None
         for event in events:  # what the counters need of the batch
@@ -131,7 +134,8 @@ class Store:
         try:
             reply, replicas = await self.pipeline.evalsha_durable(*self._publish.call(
                 chat_id, events, fresh=self._new_epoch(), create_owner=create_owner,
-                writer=writer, idempotency_key=idempotency_key, op=op, turn=turn))
+                writer=writer, idempotency_key=idempotency_key, op=op, turn=turn,
+                agent=create_agent))
             result = self._publish.decode(reply)
             if not result.duplicate:
                 REDIS.streamed_bytes += streamed
@@ -178,11 +182,12 @@ class Store:
                        issue("SPUBLISH", feed_channel(owner), feed)])
 
     async def read(self, chat_id: str, after: int | None, limit: int,
-                   create_owner: str = "") -> History:
+                   create_owner: str = "", create_agent: str = "") -> History:
         """The state plus up to ``limit`` durable frames with seq > ``after``, atomically;
         with ``create_owner``, a conversation that does not exist is created first."""
         history = self._read.decode(await self.pipeline.evalsha(*self._read.call(
-            chat_id, after, limit, create_owner=create_owner, fresh=self._new_epoch())))
+            chat_id, after, limit, create_owner=create_owner, fresh=self._new_epoch(),
+            create_agent=create_agent)))
         meta = history.meta
         if history.created and meta is not None and history.feed is not None:
             await self._tell_owner(meta.owner, history.feed, "ZADD", meta.created_at, chat_id)
@@ -286,7 +291,7 @@ class Store:
 
     async def open_child(self, parent: str, chat_id: str, title: str | None, *,
                          writer: str = "", title_source: str = "user",
-                         existing_ok: bool = False) -> None:
+                         existing_ok: bool = False, agent: str = "") -> None:
         """Create ``chat_id`` as a sub-conversation of ``parent``, owned by the parent's
         owner, and record it in the parent: a durable ``child`` event. ``writer`` is the
         user who must own the parent ("" for a service); ``title`` is clean already.
@@ -297,6 +302,7 @@ class Store:
         recreated it): the new child is deleted and the refusal raised. With
         ``existing_ok``, a ``chat_id`` that is ``parent``'s child already is no conflict:
         what is left is done, once (a redelivered turn opening its child again).
+        ``agent`` answers the child; by default the parent's does.
         """
         found = await self.meta(parent)
         if found is None:
@@ -304,7 +310,8 @@ class Store:
         if writer and writer != found.owner:
             raise Rejected("forbidden", "conversation belongs to another user")
         made = self._child.decode(await self.pipeline.evalsha(
-            *self._child.call(chat_id, found.owner, parent, self._new_epoch())))
+            *self._child.call(chat_id, found.owner, parent, self._new_epoch(),
+                              agent or found.agent)))
         if made.created and made.feed is not None:
             await self._tell_owner(found.owner, made.feed, "ZADD", made.ts, chat_id)
         elif not (existing_ok and made.parent == parent):

@@ -66,6 +66,7 @@ from ..config import Settings
 from ..errors import Rejected
 from ..events import PublishEvent, clean_title, to_out_event
 from ..redis.agent_inbox import AgentInbox
+from ..redis.agent_registry import RENEW_EVERY, AgentKind, AgentRegistry
 from ..redis.backend import Backend, Client
 from ..redis.records import Meta, OutEvent, Published
 from ..redis.store import Store
@@ -299,9 +300,10 @@ class Turn:
     async def title(self, title: str) -> Published:
         return await self.event("title", {"title": title})
 
-    async def open_child(self, title: str | None = None) -> str:
-        """Open a sub-conversation of this one (a sub-task), owned by its owner; the
-        conversation gets a durable ``child`` event. Returns the child's chat id.
+    async def open_child(self, title: str | None = None, agent: str | None = None) -> str:
+        """Open a sub-conversation of this one (a sub-task), owned by its owner, answered
+        by ``agent`` (by default this conversation's: name another to hand it the
+        sub-task); the conversation gets a durable ``child`` event. Returns its chat id.
 
         The id comes from the turn and how many children it opened before, so a
         redelivered turn opening its children again gets the same ones, each once.
@@ -311,7 +313,7 @@ class Turn:
         chat_id = f"{self.turn_id}.c{n}"
         clean = clean_title(title) if title is not None else None
         await self.store.open_child(self.chat_id, chat_id, clean, title_source="agent",
-                                    existing_ok=True)
+                                    existing_ok=True, agent=agent or "")
         return chat_id
 
     async def end(self, usage: dict[str, Any] | None = None, reason: str = "complete",
@@ -371,8 +373,11 @@ class _Entry:
 class AgentWorker:
     """Runs ``handler`` for every inbox message delivered to this worker's consumer group.
 
+    - ``name``: the agent it answers for (default ``GATEWAY_DEFAULT_AGENT``): it reads only
+      the inboxes of conversations that name this agent, and announces itself as a live
+      worker of it (``GET /v1/agents``), of ``kind`` ``handler``, ``ag-ui`` or ``openai``.
     - ``group``: workers with the same group share the work; another group gets every
-      entry again (a different agent).
+      entry again.
     - ``concurrency``: handlers running at once; one chat's turns always run in order.
     - ``claim_idle``: seconds an entry may stay unacknowledged with no sign of life before
       another worker takes it over. Use the same value for every worker of a group.
@@ -387,7 +392,8 @@ class AgentWorker:
                  group: str = "agents", consumer: str | None = None, concurrency: int = 16,
                  claim_idle: float = 30.0, start_id: str = "0", block: float = 2.0,
                  accept: Callable[[str], bool] | None = None,
-                 delta_window_ms: float | None = None) -> None:
+                 delta_window_ms: float | None = None, name: str | None = None,
+                 kind: AgentKind = "handler") -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if claim_idle <= 0:
@@ -411,7 +417,10 @@ class AgentWorker:
         self.accept = accept
         self.delta_window_ms = (settings.delta_window_ms if delta_window_ms is None
                                 else delta_window_ms)
-        self.keys = AgentInbox(self.store).keys()
+        self.name = name or settings.default_agent
+        self.kind: AgentKind = kind
+        self.registry = AgentRegistry(self.store.pipeline)
+        self.keys = AgentInbox(self.store).keys(self.name)
         # Keys one call may name together: all of them on one server; on a cluster, where
         # each partition has a slot of its own, one each.
         self._cluster = isinstance(redis, RedisCluster)
@@ -439,6 +448,7 @@ class AgentWorker:
             return
         self._started = True
         await self._create_groups()
+        await self.registry.announce(self.name, self.kind, self.consumer)
         tails = await self._inbox_tails()  # before any turn runs, so no cancel is missed
         await self._resume_own()
         self._loops = [asyncio.create_task(self._maintain(), name=f"agent-claim-{self.consumer}")]
@@ -450,8 +460,8 @@ class AgentWorker:
             ]
         for task in self._loops:
             task.add_done_callback(self._loop_done)
-        log.info("agent worker %s reading %d inbox partitions (group %s)",
-                 self.consumer, len(self.keys), self.group)
+        log.info("agent worker %s of agent %s reading %d inbox partitions (group %s)",
+                 self.consumer, self.name, len(self.keys), self.group)
 
     async def run(self) -> None:
         """Start, then run until :meth:`stop`."""
@@ -481,6 +491,7 @@ class AgentWorker:
             await _cancel_and_wait(pending, every=0.5)
         if self._started:
             with contextlib.suppress(RedisError, OSError):
+                await self.registry.withdraw(self.name, self.kind, self.consumer)
                 await self._forget_consumer()
         self._stopped.set()
         log.info("agent worker %s stopped", self.consumer)
@@ -651,12 +662,14 @@ class AgentWorker:
     # --- liveness and takeover -----------------------------------------------------------
 
     async def _maintain(self) -> None:
-        """Keep our pending entries fresh; take over entries idle past ``claim_idle``."""
-        interval = max(0.05, min(self.claim_idle / 3, 5.0))
+        """Keep our pending entries fresh; take over entries idle past ``claim_idle``; say
+        we are alive."""
+        interval = max(0.05, min(self.claim_idle / 3, RENEW_EVERY))
         cursors = dict.fromkeys(self.keys, "0-0")
         while not self._closing:
             await asyncio.sleep(interval)
             try:
+                await self.registry.announce(self.name, self.kind, self.consumer)
                 await self._heartbeat()
                 await self._reclaim(cursors)
             except (RedisError, OSError) as exc:
@@ -817,8 +830,8 @@ async def serve(handler: Handler, redis_url: str, settings: Settings, **options:
         loop.add_signal_handler(sig, worker.request_stop)
     try:
         await worker.start()
-        print(f"agent ready: consumer {worker.consumer}, group {worker.group}, "
-              f"{len(worker.keys)} partitions", flush=True)
+        print(f"agent ready: {worker.name} ({worker.kind}), consumer {worker.consumer}, "
+              f"group {worker.group}, {len(worker.keys)} partitions", flush=True)
         await worker.run()
     finally:
         await worker.stop()

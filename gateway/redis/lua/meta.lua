@@ -12,11 +12,17 @@ local function load_meta(key)
   return m
 end
 
--- A new conversation's state, created at ``now_text`` (now_ms's text).
-local function new_meta(owner, epoch, now_text)
+-- A new conversation's state, created at ``now_text`` (now_ms's text), answered by the
+-- agent named ``agent``.
+local function new_meta(owner, epoch, now_text, agent)
   return {owner = owner, epoch = epoch, seq = '0', status = 'idle', title = '', turn_id = '',
           started_at = '', goal = '', preview = '', created_at = now_text,
-          updated_at = now_text}
+          updated_at = now_text, agent = agent}
+end
+
+-- The agent that answers a conversation: one from before named agents has "default".
+local function agent_of(m)
+  return (m.agent or '') ~= '' and m.agent or 'default'
 end
 
 -- The meta table as HSET arguments.
@@ -59,5 +65,6 @@ local function announce(chat, m, now_text, created)
     ',"active":' .. ((m.usage_active or '') ~= '' and m.usage_active or '{}') .. '}' ..
     ',"message_count":' .. (m.msgs or '0') ..
     ',"parent":' .. ((m.parent or '') ~= '' and cjson.encode(m.parent) or 'null') ..
+    ',"agent":' .. cjson.encode(agent_of(m)) ..
     ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}'
 end

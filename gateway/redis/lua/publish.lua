@@ -24,6 +24,7 @@
 -- ARGV[17] the turn the publisher writes for ("" = whichever runs): the batch is refused
 --          (no_active_turn, turn_mismatch) unless that turn is the running one, so a turn
 --          that ended never writes into the next
+-- ARGV[18] the agent that answers the conversation, when this batch creates it
 -- then 4 per event: type, durable ("1"/"0"), data (JSON, or raw text for title), and one
 -- argument whose meaning depends on the type (OutEvent.script_arg):
 --   user_message  the preview (<= 120 chars), remembered for the conversation list
@@ -67,7 +68,8 @@
 --
 -- Replies {"epoch", "seqs" (one per event, null for ephemeral), "last_seq", "owner",
 -- "duplicate", "ts", "listed" (the conversation-list entry changed), "turn_id" (the turn
--- this batch started or cancelled), "filed" (the turn its other durable events belong to), "created", "head" (the head after), "cancelled" (the
+-- this batch started or cancelled), "filed" (the turn its other durable events belong to),
+-- "agent" (the agent that answers the conversation), "created", "head" (the head after), "cancelled" (the
 -- turn a cancel: true ended), "message" (retry and undo: {msg_id, seq, frame} of the
 -- message answered again or taken back), "msg_id" (the user
 -- message this batch added), "feed" (the feed
@@ -87,7 +89,7 @@ local channel, chat = ARGV[1], ARGV[6]
 local maxlen = tonumber(ARGV[2])
 local n = tonumber(ARGV[7])
 local max_text = tonumber(ARGV[10])
-local base = 18  -- ARGV index of the first event
+local base = 19  -- ARGV index of the first event
 local named = ARGV[17]
 local op, expected, cancel, target, by, msg_id =
   ARGV[11], ARGV[12], ARGV[13] == '1', ARGV[14], ARGV[15], ARGV[16]

@@ -43,7 +43,7 @@ local m = load_meta(meta)
 local created = false
 if not m then
   if ARGV[4] == '' then return refuse('not_found', 'conversation does not exist') end
-  m = new_meta(ARGV[4], ARGV[5], now_text)
+  m = new_meta(ARGV[4], ARGV[5], now_text, ARGV[18])
   created = true
 end
 if ARGV[8] ~= '' and ARGV[8] ~= m.owner then
@@ -417,7 +417,7 @@ end
 local result = {epoch = m.epoch, last_seq = seq, owner = m.owner, duplicate = false, ts = now,
                 listed = listed, turn_id = started_or_cancelled, created = created,
                 head = m.head or '', cancelled = cancelled, message = answered,
-                msg_id = message_node, filed = filed}
+                msg_id = message_node, filed = filed, agent = agent_of(m)}
 if #seqs > 0 then result.seqs = seqs end
 if idem then
   redis.call('SET', idem, cjson.encode(result), 'EX', tonumber(ARGV[3]))

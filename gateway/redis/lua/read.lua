@@ -9,7 +9,7 @@
 -- ARGV[1] seq to read after ("" = the state only), ARGV[2] most frames to return
 -- ARGV[3] owner to create the conversation for when it does not exist ("" = do not)
 -- ARGV[4] epoch for a new conversation, ARGV[5] chat id, ARGV[6] streamed types,
--- comma-separated
+-- comma-separated, ARGV[7] the agent that answers a new conversation
 --
 -- Replies {"meta": the meta hash (absent when the conversation does not exist),
 -- "created", "feed" (when created: the feed frame that announces it),
@@ -21,7 +21,7 @@ local m = load_meta(KEYS[1])
 if not m then
   if ARGV[3] == '' then return '{"created":false}' end
   local _, now_text = now_ms()
-  m = new_meta(ARGV[3], ARGV[4], now_text)
+  m = new_meta(ARGV[3], ARGV[4], now_text, ARGV[7])
   save_meta(KEYS[1], m)
   return cjson.encode({meta = m, created = true, feed = announce(ARGV[5], m, now_text, true)})
 end
