@@ -290,18 +290,67 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_agent(args: argparse.Namespace) -> int:
-    from .sdk.agent import load_handler, serve
+def _driven(args: argparse.Namespace) -> tuple[Any, str]:
+    """The handler ``gateway agent`` runs, and its kind: a Python handler, or an agent the
+    gateway drives (``--openai``, ``--ag-ui``). Raises ValueError for a bad option."""
+    if sum(x is not None for x in (args.handler, args.openai, args.ag_ui)) != 1:
+        raise ValueError("give one of MODULE:HANDLER, --openai BASE_URL or --ag-ui URL")
+    if args.openai is not None:
+        if not args.model:
+            raise ValueError("--openai needs --model")
+        from .sdk.drivers.openai import OpenAIAgent
 
-    settings = _client_settings(args.data_dir, redis_url=args.redis_url)
-    logs.configure(settings.log_format, args.log_level)
+        params = {}
+        for item in args.param:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--param takes KEY=VALUE, not {item!r}")
+            try:
+                params[key] = msgspec.json.decode(raw)  # numbers stay numbers
+            except msgspec.DecodeError:
+                params[key] = raw
+        api_key = None
+        if args.api_key_env:
+            api_key = os.environ.get(args.api_key_env)
+            if not api_key:
+                raise ValueError(f"--api-key-env: {args.api_key_env} is not set")
+        return OpenAIAgent(args.openai, args.model, api_key=api_key, system=args.system,
+                           temperature=args.temperature, params=params,
+                           request_timeout=args.timeout), "openai"
+    if args.ag_ui is not None:
+        from .sdk.drivers.ag_ui import AgUiAgent
+
+        headers = {}
+        for item in args.header:
+            key, sep, value = item.partition(":")
+            if not sep or not key.strip():
+                raise ValueError(f"--header takes 'NAME: VALUE', not {item.split(':')[0]!r}")
+            headers[key.strip()] = os.path.expandvars(value.strip())  # $VAR from the env
+        return AgUiAgent(args.ag_ui, headers=headers, request_timeout=args.timeout), "ag-ui"
+    from .sdk.agent import load_handler
+
     # As `uvicorn module:app` does: a module in the current folder is found.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        handler = load_handler(args.handler)
-    except (ImportError, AttributeError, ValueError) as exc:
-        print(f"gateway agent: cannot load {args.handler}: {exc}", file=sys.stderr)
+        return load_handler(args.handler), "handler"
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {args.handler}: {exc}") from None
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from .sdk.agent import serve
+
+    settings = _client_settings(args.data_dir, redis_url=args.redis_url)
+    logs.configure(settings.log_format, args.log_level)
+    try:
+        handler, kind = _driven(args)
+    except ImportError as exc:  # the agents extra is missing
+        print(f"gateway agent: {exc}; install it: pip install 'gateway[agents]'",
+              file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"gateway agent: {exc}", file=sys.stderr)
         return 2
     if args.name is not None and not re.match(p.AGENT_NAME_PATTERN, args.name):
         print(f"gateway agent: --name must match {p.AGENT_NAME_PATTERN}", file=sys.stderr)
@@ -315,7 +364,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
               "restart it with GATEWAY_DEMO_AGENT=0 to have this agent answer them all",
               file=sys.stderr, flush=True)
     return asyncio.run(serve(
-        handler, _redis_url(settings), settings, name=args.name, group=args.group,
+        handler, _redis_url(settings), settings, name=args.name, kind=kind, group=args.group,
         consumer=args.consumer,
         concurrency=args.concurrency, claim_idle=args.claim_idle, start_id=args.start_id))
 
@@ -368,8 +417,27 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--data-dir")
     tail.set_defaults(func=cmd_tail)
 
-    agent = sub.add_parser("agent", help="run an agent worker: MODULE:HANDLER per turn")
-    agent.add_argument("handler", help="async handler, e.g. gateway.sdk.demo_agent:handle")
+    agent = sub.add_parser("agent", help="run an agent worker: MODULE:HANDLER per turn, or "
+                           "drive an OpenAI-compatible or AG-UI agent")
+    agent.add_argument("handler", nargs="?",
+                       help="async handler, e.g. gateway.sdk.demo_agent:handle")
+    driven = agent.add_argument_group("an agent the gateway drives (the agents extra)")
+    driven.add_argument("--openai", metavar="BASE_URL",
+                        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    driven.add_argument("--model", help="--openai: the model to ask")
+    driven.add_argument("--api-key-env", metavar="VAR",
+                        help="--openai: the environment variable that holds the API key")
+    driven.add_argument("--system", help="--openai: a system message before the conversation")
+    driven.add_argument("--temperature", type=float, help="--openai: sampling temperature")
+    driven.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="--openai: another request parameter (VALUE as JSON when it "
+                             "parses); repeatable")
+    driven.add_argument("--ag-ui", metavar="URL", help="an AG-UI agent's endpoint")
+    driven.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
+                        help="--ag-ui: a request header ($VAR in VALUE is read from the "
+                             "environment; never logged); repeatable")
+    driven.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds to connect and get the agent's answer started")
     agent.add_argument("--name", help="the agent it answers for (default: "
                        "GATEWAY_DEFAULT_AGENT, itself `default`)")
     agent.add_argument("--group", default="agents", help="consumer group (default: agents)")

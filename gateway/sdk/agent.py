@@ -836,4 +836,7 @@ async def serve(handler: Handler, redis_url: str, settings: Settings, **options:
     finally:
         await worker.stop()
         await backend.aclose()
+        closing = getattr(handler, "aclose", None)  # a driver's HTTP client
+        if closing is not None:
+            await closing()
     return 1 if worker.error is not None else 0
