@@ -259,3 +259,51 @@ async def test_ties_in_one_millisecond(store: Store, user: str) -> None:
         await store.delete(cursor.chat_id)
 
     assert await collect(drop) == order
+
+
+async def test_the_preview_is_the_latest_thing_said_on_the_path(
+        gateway: GatewayProcess, user: str, chat_id: str) -> None:
+    """The list shows what was said last on the path the person sees: the question while
+    it waits, then its answer (a stopped one's partial too), and after a retry, a switch
+    or an undo whatever is last on the new path."""
+    from .steps import end_turn, message_and_reply, op, post_events
+
+    async def preview() -> str | None:
+        found = (await listing(gateway, user)).json()["conversations"]
+        value: str | None = next(c["preview"] for c in found if c["chat_id"] == chat_id)
+        return value
+
+    await create(gateway, user, chat_id)
+    long_answer = "Lisbon  in\n spring " + "é" * 200
+    async with connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        ack, _ = await message_and_reply(ws, chat_id, "plan a   day")
+        first = ack["turn_id"]
+        assert await preview() == "plan a day"
+        await post_events(gateway, chat_id, {"type": "message", "data": {"text": long_answer},
+                                             "turn_id": first})
+        feed = await ws.wait_for(lambda f: f.get("type") == "conversation"
+                                 and f["chat_id"] == chat_id and f["preview"] != "plan a day")
+        expected = ("Lisbon in spring " + "é" * 200)[:120]
+        assert feed["preview"] == expected and await preview() == expected
+        await end_turn(gateway, chat_id, turn_id=first)
+        await ws.wait_for(lambda f: f.get("type") == "turn_end")
+        # A retry asks again: the question is the latest; a stopped answer is what was said.
+        ack, _ = await op(ws, chat_id, "retry")
+        assert await preview() == "plan a day"
+        await post_events(gateway, chat_id, {"type": "delta", "data": {"text": "half"},
+                                             "durable": False, "attempt": "a",
+                                             "turn_id": ack["turn_id"]})
+        await ws.send({"type": "cancel", "chat_id": chat_id})
+        await end_turn(gateway, chat_id, turn_id=ack["turn_id"], reason="cancelled")
+        await ws.wait_for(lambda f: f.get("type") == "turn_end")
+        assert await preview() == "half"
+        await op(ws, chat_id, "switch", node_id=first)
+        assert await preview() == expected
+        second, _ = await message_and_reply(ws, chat_id, "and tomorrow?")
+        assert await preview() == "and tomorrow?"
+        await end_turn(gateway, chat_id, turn_id=second["turn_id"])
+        await ws.wait_for(lambda f: f.get("type") == "turn_end"
+                          and f["data"]["turn_id"] == second["turn_id"])
+        await op(ws, chat_id, "undo")
+        assert await preview() == expected

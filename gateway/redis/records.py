@@ -166,7 +166,7 @@ class TreeNode(msgspec.Struct, frozen=True):
     kind: str  # "user" | "turn"
     parent_id: str | None
     seq: int  # the seq of its first event (user_message, turn_start)
-    preview: str | None  # a user message's preview
+    preview: str | None  # a user message's text, or a turn's answer, as the list shows it
     children: list[str]
     last_child: str | None  # the child last on the active path
     usage: dict[str, int | float] | None = None  # a turn's, as its turn_end reported it

@@ -268,6 +268,43 @@ local function id_or_null(id)
   return (id and id ~= '') and cjson.encode(id) or 'null'
 end
 
+-- What the conversation list shows of a text: whitespace collapsed, at most 120 characters
+-- (whole UTF-8 sequences), as the gateway cuts a user message's.
+local function preview_of(text)
+  local out, count = {}, 0
+  for word in string.gmatch(text, '%S+') do
+    for char in string.gmatch(word, '[%z\1-\127\194-\244][\128-\191]*') do
+      if count == 120 then return table.concat(out) end
+      out[#out + 1], count = char, count + 1
+    end
+    if count == 120 then return table.concat(out) end
+    out[#out + 1], count = ' ', count + 1
+  end
+  return (string.gsub(table.concat(out), ' $', ''))
+end
+
+-- The running turn's answer: its node keeps the preview, and while the turn is the head,
+-- so does the list (the latest thing said on the path).
+local function answered_with(text)
+  if text == nil or text == '' or (m.turn_id or '') == '' then return end
+  local node = node_get(tree, m.turn_id)
+  if not node then return end
+  node.v = preview_of(text)
+  node_put(tree, m.turn_id, node)
+  if m.turn_id == (m.head or '') then
+    m.preview = node.v
+    listed, changed = true, true
+  end
+end
+
+-- The list's preview with the head at ``head``: its answer, else the last user message.
+local function preview_at(head)
+  local node = head ~= '' and node_get(tree, head)
+  if node and node.k == 'turn' and (node.v or '') ~= '' then return node.v end
+  local _, last = last_user(tree, head)
+  return last and last.v or ''
+end
+
 for i = 0, n - 1 do
   local typ, durable, data, arg = event(i)
   local stream_part = nil
@@ -294,6 +331,7 @@ for i = 0, n - 1 do
         local text = redis.call('GET', key) or ''
         emit(commit_type[streamed], true, '{"text":' .. cjson.encode(text) ..
              ',"stream_id":' .. cjson.encode(s.id) .. ',"partial":true}', nil, m.turn_id)
+        if commit_type[streamed] == 'message' then answered_with(text) end
         close_stream(streamed)
       end
       if m['full:' .. streamed] then close_stream(streamed) end
@@ -366,6 +404,7 @@ for i = 0, n - 1 do
       touched['st:' .. streamed] = nil
     end
   end
+  if durable and typ == 'message' then answered_with(data_field(data, 'text', 'string')) end
   local at = emit(typ, durable, data, stream_part, node)
   if i >= (cancelled and 1 or 0) then seqs[#seqs + 1] = at end  -- not the cancel's turn_end
   if typ == 'user_message' then
@@ -388,10 +427,7 @@ if new_head ~= nil and new_head ~= head_before then
   m.msgs = tostring(depth(tree, new_head))
   -- A message grows the path by itself and a turn with no usage yet: the total stands.
   if op ~= 'message' then m.usage_active = cjson.encode(path_usage(tree, new_head)) end
-  if op == 'undo' or op == 'switch' then
-    local _, last = last_user(tree, new_head)
-    m.preview = last and last.v or ''
-  end
+  if op ~= 'message' and op ~= '' then m.preview = preview_at(new_head) end
   emit('head', true, '{"head_id":' .. id_or_null(new_head) .. ',"prev_head_id":' ..
        id_or_null(head_before) .. ',"cause":' .. cjson.encode(cause) .. ',"by":' ..
        cjson.encode(by) .. '}', nil, '')
