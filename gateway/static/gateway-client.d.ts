@@ -99,6 +99,8 @@ export interface Snapshot {
   message_count?: number;
   /** The conversation's sub-conversations, oldest first; omitted when it has none. */
   children?: ChildSummary[];
+  /** The agent's state (the last `state` event's snapshot: any JSON); omitted when none. */
+  state?: unknown;
 }
 
 export interface SubscribedFrame {
@@ -168,6 +170,8 @@ export interface ConversationFrame {
   message_count?: number;
   /** A sub-conversation's parent (null for a top-level one); absent when deleted. */
   parent?: string | null;
+  /** The agent that answers it; absent when deleted. */
+  agent?: string;
   created: boolean;
   deleted: boolean;
 }
@@ -205,12 +209,24 @@ export type TurnEndEvent = EventFrame<"turn_end", {
   goal_state: GoalState | null;
   reason: "complete" | "cancelled" | "error" | "timeout";
   usage: Record<string, unknown> | null;
+  /** With reason "error" (or a timeout with no worker): what went wrong, in words. */
+  error?: string;
 }>;
 export type GoalStateEvent = EventFrame<"goal_state", GoalState>;
 export type TitleEvent = EventFrame<"title", { title: string; previous: string | null; source: string }>;
 export type DeletedEvent = EventFrame<"deleted", { epoch: string; last_seq: number }>;
 /** A sub-conversation was opened (conversation-level: no `node`). */
 export type ChildEvent = EventFrame<"child", { chat_id: string; title: string | null }>;
+/** The agent called a tool: `args` as JSON once complete (else the text it sent). */
+export type ToolCallEvent = EventFrame<"tool_call", { call_id: string; name: string; args: unknown }>;
+/** What the tool call `call_id` returned. */
+export type ToolResultEvent = EventFrame<"tool_result", { call_id: string; result: unknown }>;
+/** Ephemeral (seq null): a step of the agent's run started or finished ("searching…"). */
+export type StepEvent = EventFrame<"step", { name: string; status: "started" | "finished" }>;
+/** The agent's whole state after a change (conversation-level: no `node`). */
+export type StateEvent = EventFrame<"state", { snapshot: unknown }>;
+/** An agent's own event (AG-UI `CUSTOM`). */
+export type CustomEvent = EventFrame<"custom", { name: string; value: unknown }>;
 
 /** A page of `GET /v1/conversations/{chat_id}/events`. */
 export interface HistoryPage {
@@ -251,6 +267,22 @@ export interface Conversation {
   message_count: number;
   /** The conversation this one is a sub-conversation of, or null. */
   parent: string | null;
+  /** The agent that answers it. */
+  agent: string;
+}
+
+/** An agent with a live worker now (`GET /v1/agents`). */
+export interface AgentInfo {
+  name: string;
+  /** "handler" (a Python handler), or an agent the gateway drives. */
+  kind: "handler" | "ag-ui" | "openai" | (string & {});
+  /** Its workers heard from in the last 10 s. */
+  workers: number;
+}
+
+/** `GET /v1/agents`. */
+export interface AgentList {
+  agents: AgentInfo[];
 }
 
 /** `POST /v1/ws-ticket`: a single-use connection ticket for `GET /v1/ws?ticket=`. */
@@ -271,7 +303,7 @@ export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | 
 export interface TokenRequest {
   /**
    * "connect" (first attempt), "reconnect", "expired" (the last close was 4011), or
-   * "request" (an HTTP call: request(), listConversations()).
+   * "request" (an HTTP call: request(), listConversations(), createConversation(), listAgents()).
    */
   reason: "connect" | "reconnect" | "expired" | "request";
   lastClose: { code: number; reason: string } | null;
@@ -520,6 +552,11 @@ export interface SubscribeOptions {
    * Default true.
    */
   create?: boolean;
+  /**
+   * The agent that answers the conversation, should this subscribe create it (ignored when
+   * it exists). Default: the gateway's (`GATEWAY_DEFAULT_AGENT`). Kept for the resubscribes.
+   */
+  agent?: string | null;
 }
 
 export interface RequestOptions {
@@ -536,6 +573,25 @@ export interface ListConversationsOptions {
   /** Per attempt, ms; default the client's httpTimeout. */
   timeout?: number;
   /** Stop retrying. */
+  signal?: AbortSignal;
+}
+
+export interface CreateConversationOptions {
+  /** Default: the gateway makes one. */
+  chat_id?: string;
+  title?: string;
+  /** The agent that answers it (listAgents()); default the gateway's, or the parent's. */
+  agent?: string;
+  /** Open it as a sub-conversation of this one. */
+  parent_chat_id?: string;
+  /** ms; default the client's httpTimeout. */
+  timeout?: number;
+  signal?: AbortSignal;
+}
+
+export interface ListAgentsOptions {
+  /** ms; default the client's httpTimeout. */
+  timeout?: number;
   signal?: AbortSignal;
 }
 
@@ -597,6 +653,13 @@ export declare class GatewayClient {
    * succeeds (an error reply or the signal rejects). On load and on every `feed_gap`.
    */
   listConversations(options?: ListConversationsOptions): Promise<ConversationPage>;
+  /**
+   * `POST /v1/conversations`, once (never retried by itself); resolves with the
+   * conversation. Rejects with a GatewayError (409 "conflict": the chat_id is taken).
+   */
+  createConversation(options?: CreateConversationOptions): Promise<Conversation>;
+  /** `GET /v1/agents`: the agents with a live worker now. */
+  listAgents(options?: ListAgentsOptions): Promise<AgentList>;
 
   /**
    * Resolves with the `subscribed` frame, or null if unsubscribed, left or deleted before it

@@ -38,8 +38,9 @@
 
 /**
  * @import {
- *   AckFrame, ConnectionState, ConversationFrame, ConversationPage, EditOptions, ErrorFrame,
- *   EventFrame, ListConversationsOptions, RequestOptions, WsTicket,
+ *   AckFrame, AgentList, Conversation, ConnectionState, ConversationFrame, ConversationPage,
+ *   CreateConversationOptions, EditOptions, ErrorFrame, EventFrame, ListAgentsOptions,
+ *   ListConversationsOptions, RequestOptions, WsTicket,
  *   GatewayClientEvents, GatewayClientOptions, HeadMove, HelloFrame, HistoryPage, LeftFrame,
  *   PongFrame, RequestId, SendMessageOptions, ServerFrame, Siblings, Since, StateChange,
  *   StreamState, SubscribedEvent, SubscribedFrame, SubscribeOptions, TokenRequest,
@@ -64,6 +65,7 @@
  * @property {boolean} resyncing
  * @property {ConversationTree} tree
  * @property {boolean} create subscribe with `create: false` when false
+ * @property {string | null} agent the agent a creating subscribe names (null: the default)
  * @property {boolean} running a turn runs (tokens are expected)
  */
 
@@ -1068,6 +1070,37 @@ export class GatewayClient {
   }
 
   /**
+   * Create a conversation (`POST /v1/conversations`): `chat_id` (else the gateway makes
+   * one), a first `title`, the `agent` that answers it (else the gateway's default; see
+   * listAgents()), and `parent_chat_id` for a sub-conversation. Resolves with the
+   * conversation (its `epoch` and `last_seq` are a resume point for subscribe()). Asked
+   * once, never again by itself: a retry after a lost reply may find it made (409
+   * "conflict" when `chat_id` was given).
+   * @param {CreateConversationOptions} [options]
+   * @returns {Promise<Conversation>}
+   */
+  async createConversation(options = {}) {
+    /** @type {Record<string, string>} */
+    const body = {};
+    for (const field of /** @type {const} */ (["chat_id", "title", "agent", "parent_chat_id"])) {
+      const value = options[field];
+      if (value != null) body[field] = value;
+    }
+    return this.request("POST", "/v1/conversations", { body, timeout: options.timeout, signal: options.signal });
+  }
+
+  /**
+   * The agents with a live worker now (`GET /v1/agents`): `{agents: [{name, kind,
+   * workers}]}`. Offer them when a conversation is created (createConversation's
+   * or subscribe's `agent`).
+   * @param {ListAgentsOptions} [options]
+   * @returns {Promise<AgentList>}
+   */
+  async listAgents(options = {}) {
+    return this.request("GET", "/v1/agents", { timeout: options.timeout, signal: options.signal });
+  }
+
+  /**
    * @param {string} method
    * @param {string} path
    * @param {string | null} token
@@ -1146,6 +1179,7 @@ export class GatewayClient {
         resyncing: false, // a stream skipped a position: a fresh snapshot is on its way
         tree: new ConversationTree(), // nodes, head, active path
         create: true, // false: subscribe with `create: false` (a link must not create)
+        agent: null, // the agent a creating subscribe names (null: the gateway's default)
         running: false, // a turn runs: tokens are expected (the heartbeat listens closer)
       };
       this._chats.set(chatId, chat);
@@ -1247,6 +1281,7 @@ export class GatewayClient {
    * the client picks: drain this connection's buffer, resume from the remembered position,
    * or start live. `create: false`: a conversation that does not exist is not created; the
    * promise rejects with a GatewayError of code "not_found" (and `error` is emitted).
+   * `agent`: the agent that answers the conversation, should this subscribe create it.
    * @param {string} chatId
    * @param {SubscribeOptions} [options]
    * @returns {Promise<SubscribedFrame | null>}
@@ -1254,6 +1289,7 @@ export class GatewayClient {
   subscribe(chatId, options = {}) {
     const chat = this._chat(chatId);
     if (options.create !== undefined) chat.create = options.create;
+    if (options.agent !== undefined) chat.agent = options.agent;
     const since = options.since ?? null;
     if (since) {
       chat.epoch = since.epoch;
@@ -1285,10 +1321,11 @@ export class GatewayClient {
     chat.subReq = id;
     chat.subMode = mode;
     chat.server = "live";
-    /** @type {{type: "subscribe", chat_id: string, id: number, since?: Since, create?: false}} */
+    /** @type {{type: "subscribe", chat_id: string, id: number, since?: Since, create?: false, agent?: string}} */
     const frame = { type: "subscribe", chat_id: chat.id, id };
     if (since) frame.since = { seq: since.seq, epoch: since.epoch };
     if (!chat.create) frame.create = false;
+    else if (chat.agent != null) frame.agent = chat.agent; // the gateway ignores it once the chat exists
     this._pending.set(id, { kind: "subscribe", chatId: chat.id, frame });
     this._send(frame);
   }

@@ -128,9 +128,10 @@ export class FakeGateway {
   constructor(answerPings) {
     this.answerPings = answerPings;
     this.connections = [];
-    // The HTTP side: every request recorded as {method, url, authorization}; `onHttp(req)`
-    // answers it ({status, body}, or null to never answer); by default a ticket for
-    // `POST /v1/ws-ticket` with a bearer token, and 404 otherwise.
+    // The HTTP side: every request recorded as {method, url, authorization} (and `body`, its
+    // JSON body parsed, when it has one); `onHttp(req)` answers it ({status, body}, or null to
+    // never answer) once its body is in; by default a ticket for `POST /v1/ws-ticket` with a
+    // bearer token, and 404 otherwise.
     this.requests = [];
     this.tickets = []; // every ticket issued, in order
     this.onHttp = (req) => this.defaultHttp(req);
@@ -139,10 +140,15 @@ export class FakeGateway {
       this.requests.push(entry);
       // The client gave up on it (aborted: its connection closed) before any reply.
       res.on("close", () => { if (!res.writableFinished) entry.abandoned = true; });
-      const reply = this.onHttp(entry);
-      if (!reply) return; // a request that never completes (a dead keep-alive connection)
-      res.writeHead(reply.status, { "content-type": "application/json" });
-      res.end(reply.body === undefined ? "" : JSON.stringify(reply.body));
+      const chunks = [];
+      req.on("data", (chunk) => chunks.push(chunk));
+      req.on("end", () => {
+        if (chunks.length) entry.body = JSON.parse(Buffer.concat(chunks).toString());
+        const reply = this.onHttp(entry);
+        if (!reply) return; // a request that never completes (a dead keep-alive connection)
+        res.writeHead(reply.status, { "content-type": "application/json" });
+        res.end(reply.body === undefined ? "" : JSON.stringify(reply.body));
+      });
     });
     this.wss = new WebSocketServer({
       server: this.http, perMessageDeflate: false,
