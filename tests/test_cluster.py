@@ -17,16 +17,19 @@ from typing import Any
 
 import httpx
 import pytest
+from redis.asyncio.cluster import RedisCluster
 from websockets.exceptions import ConnectionClosed
 
+from gateway.config import Settings
 from gateway.redis.keys import room_channel
+from gateway.sdk.agent import AgentWorker, Handler, Turn
 
 from .cluster import ValkeyCluster
 from .conftest import GatewayProcess, free_port
 from .faults import until
 from .steps import children, create, message_and_reply, open_child, publish, send_message
 from .test_retention import Reader
-from .wsclient import Frame, connect
+from .wsclient import Client, Frame, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
 
@@ -204,6 +207,113 @@ async def test_children_on_other_shards_than_their_parent(
             assert sorted(gone) == sorted([parent, child, parent, grandchild])
             for chat in (parent, child, grandchild):
                 assert (await http.get(f"/v1/conversations/{chat}")).status_code == 404
+
+
+@contextlib.asynccontextmanager
+async def cluster_worker(cluster: ValkeyCluster, handler: Handler,
+                         name: str) -> AsyncIterator[AgentWorker]:
+    """An AgentWorker of agent ``name`` on a cluster client of its own, new entries only."""
+    client = RedisCluster.from_url(cluster.url)
+    worker = AgentWorker(client, Settings(redis_url=cluster.url), handler, name=name,
+                         group="agents", start_id="$")
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop(grace=5)
+        await client.aclose()
+
+
+async def turn_ends(ws: Client, chats: list[str], within: float = 20) -> dict[str, list[Frame]]:
+    """Each chat's frames on ``ws`` up to and including its next ``turn_end``."""
+    frames: dict[str, list[Frame]] = {chat: [] for chat in chats}
+    waiting = set(chats)
+    async with asyncio.timeout(within):
+        while waiting:
+            frame = await ws.recv(within)
+            if frame.get("chat_id") in waiting:
+                frames[frame["chat_id"]].append(frame)
+                if frame["type"] == "turn_end":
+                    waiting.discard(frame["chat_id"])
+    return frames
+
+
+async def test_named_agents_never_take_each_others_turns(
+        pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
+    """Two agent names, a worker each on a cluster client, and conversations on every shard
+    naming one or the other, messaged through both gateways: every turn is answered once,
+    by the agent its conversation names, and a cancel reaches that agent's worker only.
+    Each name has inbox partitions of its own, spread over the primaries."""
+    a, b = pair
+    user = "named" + uuid.uuid4().hex[:6]
+    alpha, beta = "alpha-" + uuid.uuid4().hex[:6], "beta-" + uuid.uuid4().hex[:6]
+    chats = [c for group in chats_on_every_shard(cluster, 4).values() for c in group]
+    named = {chat: (alpha, beta)[n % 2] for n, chat in enumerate(chats)}  # 2 each per shard
+    for n, chat in enumerate(chats):
+        async with httpx.AsyncClient(base_url=pair[n % 2].http) as http:
+            resp = await http.post("/v1/conversations", headers=pair[n % 2].headers(user),
+                                   json={"chat_id": chat, "agent": named[chat]})
+        assert resp.status_code == 201 and resp.json()["agent"] == named[chat], resp.text
+    answered: list[tuple[str, str, str]] = []  # (agent, chat, turn) per handler run
+    waiting: dict[str, asyncio.Event] = {chat: asyncio.Event() for chat in chats}
+    cancelled: list[tuple[str, str]] = []
+
+    def answering(name: str) -> Handler:
+        async def handle(turn: Turn) -> None:
+            answered.append((name, turn.chat_id, turn.turn_id))
+            if turn.text == "wait for a cancel":
+                await turn.delta("waiting")
+                waiting[turn.chat_id].set()
+                if await turn.sleep(15):
+                    cancelled.append((name, turn.chat_id))
+                return
+            await turn.message(f"{name} here")
+        return handle
+
+    turns: list[tuple[str, str]] = []  # (chat, turn) of every turn_start
+    async with cluster_worker(cluster, answering(alpha), alpha) as on_alpha, \
+            cluster_worker(cluster, answering(beta), beta) as on_beta, \
+            connect(a.url(user)) as ws_a, connect(b.url(user)) as ws_b:
+        workers = {alpha: on_alpha, beta: on_beta}
+        for ws in (ws_a, ws_b):
+            for chat in chats:
+                await ws.subscribe(chat)
+        for round_ in range(2):
+            for n, chat in enumerate(chats):  # handed off by either gateway, both agents
+                await send_message((ws_a, ws_b)[(n // 2 + round_) % 2], chat, f"q{round_}")
+            for ws in (ws_a, ws_b):
+                for chat, frames in (await turn_ends(ws, chats)).items():
+                    assert [f["data"]["text"] for f in frames if f["type"] == "message"] == [
+                        f"{named[chat]} here"], (chat, frames)
+                    assert frames[-1]["data"]["reason"] == "complete", frames[-1]
+                    if ws is ws_a:
+                        turns += [(chat, f["data"]["turn_id"]) for f in frames
+                                  if f["type"] == "turn_start"]
+        # A cancel of each agent's turn, on two different shards, reaches its worker.
+        targets = [chats[0], chats[-1]]
+        assert {named[c] for c in targets} == {alpha, beta}
+        for chat in targets:
+            await send_message(ws_a, chat, "wait for a cancel")
+        for chat in targets:
+            await asyncio.wait_for(waiting[chat].wait(), 10)
+            await ws_b.send({"type": "cancel", "chat_id": chat})
+        for chat, frames in (await turn_ends(ws_a, targets)).items():
+            assert frames[-1]["data"]["reason"] == "cancelled", frames[-1]
+            turns += [(chat, f["data"]["turn_id"]) for f in frames if f["type"] == "turn_start"]
+        assert sorted(cancelled) == sorted((named[c], c) for c in targets)
+        assert await until(lambda: on_alpha.stats["handled"] + on_beta.stats["handled"]
+                           == len(turns))
+        for name, worker in workers.items():
+            mine = [t for t in answered if t[0] == name]
+            assert worker.stats["handled"] == len(mine) and worker.stats["failed"] == 0
+            assert worker.stats["cancels"] == 1, (name, worker.stats)
+    assert len(turns) == 2 * len(chats) + 2
+    # Every turn answered exactly once, by the agent its conversation names.
+    assert sorted(answered) == sorted((named[chat], chat, turn) for chat, turn in turns)
+    # Inboxes of their own, each name's partitions spread over every primary.
+    assert not set(on_alpha.keys) & set(on_beta.keys)
+    for worker in (on_alpha, on_beta):
+        assert len({cluster.primary_of(key).port for key in worker.keys}) == 3
 
 
 class Load:
