@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from . import __version__, logs, sse
+from . import __version__, logs, sse, tools
 from . import protocol as p
 from .auth import AuthError, Principal, check_access
 from .errors import ErrorBody, ErrorDetail, Rejected
@@ -78,8 +78,24 @@ class NewConversation(msgspec.Struct, frozen=True):
     agent: p.AgentName | None = None
 
 
-class Rename(msgspec.Struct, frozen=True):
-    title: p.Title
+class Change(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A conversation's title, its client tools, or both."""
+
+    title: p.Title | UnsetType = UNSET
+    # The tools its agent may call to ask a person (all of them: replaces the last list).
+    client_tools: Annotated[list[p.ClientTool], msgspec.Meta(max_length=tools.MAX_TOOLS)] \
+        | UnsetType = UNSET
+
+
+# Documents the rule rename_conversation enforces: at least one of the two.
+CHANGE_BODY = Annotated[Change, msgspec.Meta(extra_json_schema={
+    "anyOf": [{"required": ["title"]}, {"required": ["client_tools"]}],
+})]
+
+
+class Answer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    call_id: p.CallId
+    result: Any
 
 
 # Query Structs: an optional parameter defaults to UNSET, never None, since lax conversion
@@ -225,6 +241,8 @@ class Conversation(msgspec.Struct, frozen=True):
     message_count: int  # user messages and turns on the active path
     parent: str | None = None  # a sub-conversation: its parent's chat_id
     agent: str = "default"  # the agent that answers it
+    client_tools: list[p.ClientTool] = []  # what its agent may ask a person
+    awaiting: dict[str, str] = {}  # client tool calls awaiting an answer: call_id -> name
 
     @classmethod
     def of(cls, chat_id: str, meta: Meta) -> Conversation:
@@ -233,7 +251,9 @@ class Conversation(msgspec.Struct, frozen=True):
                    "running" if meta.status == "running" else "idle", meta.turn_id,
                    meta.epoch, meta.seq, meta.created_at, meta.updated_at, goal, meta.preview,
                    meta.head, p.UsageTotals.of(meta.usage_billed, meta.usage_active),
-                   meta.message_count, parent=meta.parent, agent=meta.agent)
+                   meta.message_count, parent=meta.parent, agent=meta.agent,
+                   client_tools=tools.declared(meta.tools),
+                   awaiting=msgspec.json.decode(meta.awaiting) if meta.awaiting else {})
 
 
 class Children(msgspec.Struct, frozen=True):
@@ -605,17 +625,44 @@ async def agents(request: Request) -> Response:
 
 
 @API.operation(
-    "PATCH", "/v1/conversations/{chat_id}", summary="Rename a conversation (owner or service)",
-    description="Emits a `title` event with `source: user`. The title is trimmed and its "
-    "runs of whitespace collapsed.",
-    body=Rename, reply=Conversation, errors=(400, 403, 404, 413, 422, 503),
+    "PATCH", "/v1/conversations/{chat_id}",
+    summary="Rename a conversation, or set its client tools (owner or service)",
+    description="`title`: emits a `title` event with `source: user`; the title is trimmed "
+    "and its runs of whitespace collapsed. `client_tools`: the tools its agent may call to "
+    "ask a person (each `{name, description?, parameters, result?}`, JSON Schemas), stored "
+    "with a durable `client_tools` event; the list replaces the last one.",
+    body=CHANGE_BODY, reply=Conversation, errors=(400, 403, 404, 413, 422, 503),
 )
 async def rename_conversation(request: Request) -> Response:
     who, chat_id = _principal(request), _chat_id(request)
-    spec = await _body(request, Rename)
+    spec = await _body(request, Change)
+    if isinstance(spec.title, UnsetType) and isinstance(spec.client_tools, UnsetType):
+        raise Rejected("invalid_request", "give `title`, `client_tools`, or both")
     await _owned(request, who, chat_id)
-    await _gateway(request).conversations.rename(who, chat_id, spec.title)
+    conversations = _gateway(request).conversations
+    if not isinstance(spec.client_tools, UnsetType):
+        await conversations.set_client_tools(who, chat_id, spec.client_tools)
+    if not isinstance(spec.title, UnsetType):
+        await conversations.rename(who, chat_id, spec.title)
     return JSONResponse(_encode(Conversation.of(chat_id, await _owned(request, who, chat_id))))
+
+
+@API.operation(
+    "POST", "/v1/conversations/{chat_id}/tool-results",
+    summary="Answer a client tool call (owner or service)",
+    description="A person answers the question an agent asked (a `tool_call` with "
+    "`awaiting: true`): a durable `tool_result {call_id, result, by}` on the active path, "
+    "and a new turn at once, so the agent goes on. The first answer wins: a call that is "
+    "not awaiting gets 409 `conflict`; an answer that does not fit the tool's `result` "
+    "schema 400.",
+    body=Answer, reply=p.Ack, errors=(400, 403, 404, 409, 413, 422, 503),
+)
+async def tool_results(request: Request) -> Response:
+    who, chat_id = _principal(request), _chat_id(request)
+    body = await _body(request, Answer)
+    ack = await _gateway(request).conversations.answer(
+        who, p.ToolResult(chat_id, body.call_id, body.result))
+    return JSONResponse(_encode(ack))
 
 
 @API.operation(

@@ -18,6 +18,7 @@ from msgspec import UNSET
 from redis.exceptions import RedisError
 
 from . import protocol as p
+from . import tools
 from .auth import Principal
 from .config import Settings
 from .errors import Rejected
@@ -205,6 +206,13 @@ class Conversations:
         index (``$.events[i].data``, else ``$.data``). ``turn_id``: the turn they are
         written for, refused once it has ended."""
         out = [to_out_event(e, i if in_batch else None) for i, e in enumerate(events)]
+        asking = [e for e in events if e.type == "tool_call" and e.data.get("awaiting") is True]
+        if asking:  # the arguments fit the tool's schema (the script checks the name)
+            meta = await self.store.meta(chat_id)
+            for event in asking:
+                tool = tools.find(meta.tools if meta else None, str(event.data.get("name")))
+                if tool is not None:
+                    tools.check_args(tool, event.data.get("args"))
         return await self.store.publish(
             chat_id, out, idempotency_key=f"p:{idempotency_key}" if idempotency_key else None,
             writer=who.writer(), turn=turn_id or "",
@@ -243,6 +251,38 @@ class Conversations:
                                "running" if meta.status == "running" else "idle",
                                p.UsageTotals.of(meta.usage_billed, meta.usage_active))
                 for child, meta in await self.store.children(chat_id, ids)]
+
+    async def set_client_tools(self, who: Principal, chat_id: str,
+                               declared: list[p.ClientTool]) -> Published:
+        """Declare the tools the agent may call to ask a person (the whole list)."""
+        tools.check_declared(declared)
+        encoded = _encode(declared)
+        return await self.store.publish(
+            chat_id, [OutEvent(type="client_tools", data=b'{"tools":' + encoded + b"}",
+                               tools=encoded)],
+            writer=who.writer())
+
+    async def answer(self, who: Principal, req: p.ToolResult) -> p.Ack:
+        """A person answers a client tool call: a durable ``tool_result`` on the path, and
+        a new turn that goes on from it. The first answer wins (``conflict`` after)."""
+        meta = await self.store.meta(req.chat_id)
+        if meta is None:
+            raise Rejected("not_found", f"conversation {req.chat_id!r} does not exist")
+        awaiting = msgspec.json.decode(meta.awaiting) if meta.awaiting else {}
+        name = awaiting.get(req.call_id)
+        tool = tools.find(meta.tools, name) if name else None
+        if tool is not None:
+            tools.check_result(tool, req.result)  # else the script refuses it: not awaiting
+        msg_id, turn_id = _new_msg_id(), _new_turn_id()
+        preview = " ".join(_encode(req.result).decode().split())[:PREVIEW_CHARS]
+        data = _encode({"call_id": req.call_id, "result": req.result, "by": who.user_id})
+        events = [OutEvent(type="tool_result", data=data, preview=preview),
+                  OutEvent(type="turn_start", data=b"{}", turn_id=turn_id)]
+        handoff = Handoff(req.chat_id, turn_id, who.user_id, "", msg_id)
+        op = TreeOp(kind="answer", by=who.user_id, node=req.call_id, msg_id=msg_id)
+        result = await self._start_turn(who, req.chat_id, events, op, handoff)
+        return p.Ack(req.chat_id, result.seqs[0], None, result.turn_id, False, req.id,
+                     head=result.head or None, msg_id=msg_id)
 
     async def rename(self, who: Principal, chat_id: str, title: str) -> Published:
         return await self.store.publish(

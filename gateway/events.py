@@ -132,7 +132,27 @@ def to_out_event(event: PublishEvent, index: int | None = None) -> OutEvent:
         return OutEvent(type=kind, data=clean_title(typed.title).encode(),
                         title_source=typed.source)
     _check_carried(event.data, index)
+    awaiting = ""
+    if kind == "tool_call" and event.data.get("awaiting") is True:
+        awaiting = _asking(event.data)
     # A streamed delta names its attempt, and so may its commit (`message` closing the
     # `delta` stream...); a commit without text takes the stream's text.
     return OutEvent(type=kind, data=_encode(event.data), durable=event.durable,
-                    attempt=event.attempt or "", fill=event.durable and "text" not in event.data)
+                    attempt=event.attempt or "", fill=event.durable and "text" not in event.data,
+                    awaiting=awaiting)
+
+
+class _Asking(msgspec.Struct, frozen=True):
+    call_id: p.CallId
+    name: p.ToolName
+    args: Any = None
+
+
+def _asking(data: dict[str, Any]) -> str:
+    """A tool_call that asks a person (``awaiting: true``): ``"<call id> <name>"``, which
+    the script checks against the conversation's client tools and keeps until answered."""
+    try:
+        asked = msgspec.convert(data, _Asking)
+    except msgspec.ValidationError as exc:
+        raise Rejected("invalid_request", f"tool_call: {exc}") from None
+    return f"{asked.call_id} {asked.name}"

@@ -45,6 +45,7 @@ ExpectedHead = NodeId | None | msgspec.UnsetType
 # Event types whose meaning the gateway owns: agents cannot publish them as-is.
 GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
+     "client_tools",
      "stream_discarded", "head", "child", "hello", "subscribed", "unsubscribed", "left",
      "ack", "pong", "error"}
 )
@@ -118,6 +119,30 @@ class Switch(msgspec.Struct, tag="switch", tag_field="type", frozen=True):
     id: RequestId | None = None
 
 
+# A tool call's id (the agent's, or the SDK's): no space, as the script keeps it in a list.
+CallId = Annotated[str, msgspec.Meta(pattern=r"^[^\s]{1,128}$")]
+ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")]
+
+
+class ClientTool(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tool the agent may call to ask a person: its arguments' JSON Schema and,
+    optionally, the answer's."""
+
+    name: ToolName
+    parameters: dict[str, Any]  # JSON Schema of the arguments the agent passes
+    description: Annotated[str, msgspec.Meta(max_length=2000)] = ""
+    result: dict[str, Any] | None = None  # JSON Schema of the answer a person gives
+
+
+class ToolResult(msgspec.Struct, tag="tool_result", tag_field="type", frozen=True):
+    """A person answers a client tool call that awaits them."""
+
+    chat_id: ChatId
+    call_id: CallId
+    result: Any
+    id: RequestId | None = None
+
+
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):
     chat_id: ChatId
     turn_id: str | None = None
@@ -129,7 +154,7 @@ class Ping(msgspec.Struct, tag="ping", tag_field="type", frozen=True):
 
 
 ClientFrame = (Subscribe | Unsubscribe | Leave | Message | Cancel | Ping | Retry | Edit | Undo
-               | Switch)
+               | Switch | ToolResult)
 
 
 class Envelope(msgspec.Struct):
@@ -212,6 +237,8 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     children: list[ChildSummary] | msgspec.UnsetType = msgspec.UNSET  # omitted: none
     # The agent's state, the last `state` event's snapshot; omitted when there is none.
     state: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    # Client tool calls awaiting a person's answer: {call_id: tool name}; omitted: none.
+    awaiting: dict[str, str] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):
@@ -309,7 +336,8 @@ TURN_ERROR_MAX = 2000
 
 
 class TurnEndData(msgspec.Struct):
-    reason: Literal["complete", "cancelled", "error", "timeout"] = "complete"
+    # awaiting_input: the agent asked a person (a client tool) and waits for the answer
+    reason: Literal["complete", "cancelled", "error", "timeout", "awaiting_input"] = "complete"
     turn_id: str | None = None
     # Any object: its counts are kept (usage_counts), the rest dropped.
     usage: dict[str, Any] | None = None

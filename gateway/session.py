@@ -508,6 +508,8 @@ class Session:
                 self._send(await self.gateway.conversations.undo(self.principal, frame))
             case p.Switch():
                 self._send(await self.gateway.conversations.switch(self.principal, frame))
+            case p.ToolResult():
+                self._send(await self.gateway.conversations.answer(self.principal, frame))
         self._bad_frames = 0
 
     # --- subscriptions ----------------------------------------------------------------
@@ -710,12 +712,13 @@ def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None =
         turn_id=meta.turn_id,
         started_at=meta.started_at,
         goal_state=goal,
-        state=state,
         head=meta.head,
         streams=streams,
         usage=p.UsageTotals.of(meta.usage_billed, meta.usage_active),
         message_count=meta.message_count,
         children=children or msgspec.UNSET,
+        state=state,
+        awaiting=msgspec.json.decode(meta.awaiting) if meta.awaiting else msgspec.UNSET,
     )
 
 

@@ -53,7 +53,7 @@ VALID = frozenset({"valid"})
 # The replies of a valid frame, and the refusals it may get instead (protocol.md, per type).
 REPLIES = {"subscribe": "subscribed", "unsubscribe": "unsubscribed", "leave": "left",
            "message": "ack", "cancel": "ack", "ping": "pong",
-           "retry": "ack", "edit": "ack", "undo": "ack", "switch": "ack"}
+           "retry": "ack", "edit": "ack", "undo": "ack", "switch": "ack", "tool_result": "ack"}
 # Any tree operation (a message is one) may meet another head than it expects, a running
 # turn, or nodes that name nothing (protocol.md, "Tree operations").
 _TREE = {"forbidden", "not_found", "conflict", "turn_in_progress", "not_on_path",
@@ -64,6 +64,8 @@ REFUSALS = {
     "cancel": {"forbidden", "not_found", "no_active_turn", "turn_mismatch",
                "replication_timeout"},
     "retry": _TREE, "undo": _TREE, "switch": _TREE, "edit": {"text_too_long", *_TREE},
+    # An answer to a client tool: nothing awaits it (conflict), or it does not fit.
+    "tool_result": {"invalid_request", *_TREE},
 }
 REPLY_TYPES = frozenset({*REPLIES.values(), "error"})
 

@@ -46,6 +46,15 @@ CONFIG = {
     "seed": SEED,
     "generation": {"max-examples": EXAMPLES, "deterministic": True,
                    "with-security-parameters": False},
+    # What a JSON document cannot say of client tools: each name once, and each schema a
+    # JSON Schema (the 2020-12 meta-schema is not in the document). A body the document
+    # accepts may still be refused with 400 for those two, and only those: the test of
+    # client tools checks each refusal's words.
+    "operations": [{
+        "include-path": "/v1/conversations/{chat_id}", "include-method": "PATCH",
+        "checks": {"positive_data_acceptance": {"expected-statuses": [
+            "2xx", "3xx", "400", "401", "403", "404", "409", "429", "5xx"]}},
+    }],
 }
 
 
@@ -65,7 +74,7 @@ def error_shape(ctx: CheckContext, response: Response, case: Case) -> bool | Non
     return True
 
 
-TREE_OPS = ("/retry", "/edit", "/undo", "/switch")
+TREE_OPS = ("/retry", "/edit", "/undo", "/switch", "/tool-results")
 
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,

@@ -29,6 +29,8 @@ class OutEvent(msgspec.Struct, frozen=True, kw_only=True):
     fill: bool = False  # a commit without text: it takes the stream's text
     child: str = ""  # child: the sub-conversation's chat id
     state: bytes = b""  # state: the agent state's snapshot (JSON), kept as the conversation's
+    tools: bytes = b""  # client_tools: the conversation's client tools (JSON)
+    awaiting: str = ""  # tool_call: "<call id> <name>" when it asks a person (a client tool)
 
 
 class TreeOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +96,8 @@ class Meta(msgspec.Struct, frozen=True):
     parent: str | None = None  # a sub-conversation: its parent's chat id
     state: bytes | None = None  # JSON: the agent's state (a `state` event's snapshot)
     agent: str = "default"  # the agent that answers it
+    tools: bytes | None = None  # JSON: the client tools (protocol ClientTool list)
+    awaiting: bytes | None = None  # JSON: {call id: tool name} awaiting a person's answer
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -129,6 +133,8 @@ class Meta(msgspec.Struct, frozen=True):
             parent=text("parent"),
             state=(get("state") or "").encode() or None,
             agent=get("agent") or "default",
+            tools=(get("tools") or "").encode() or None,
+            awaiting=(get("awaiting") or "").encode() or None,
         )
 
 

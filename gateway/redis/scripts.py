@@ -97,6 +97,12 @@ def script_arg(event: OutEvent) -> str:
         return event.child
     if kind == "state":
         return event.state.decode()
+    if kind == "client_tools":
+        return event.tools.decode()
+    if kind == "tool_call" and event.awaiting:
+        return "?" + event.awaiting
+    if kind == "tool_result" and event.preview:
+        return event.preview
     if event.durable and event.fill:
         return f"{event.attempt} fill"
     return event.attempt

@@ -62,9 +62,11 @@ import msgspec
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
+from .. import tools
 from ..config import Settings
 from ..errors import Rejected
 from ..events import PublishEvent, clean_title, to_out_event
+from ..protocol import ClientTool
 from ..redis.agent_inbox import AgentInbox
 from ..redis.agent_registry import RENEW_EVERY, AgentKind, AgentRegistry
 from ..redis.backend import Backend, Client
@@ -284,6 +286,32 @@ class Turn:
 
     async def tool_result(self, call_id: str, result: Any) -> Published:
         return await self.event("tool_result", {"call_id": call_id, "result": result})
+
+    async def ask(self, name: str, args: Any, call_id: str | None = None) -> str:
+        """Ask a person: call the conversation's client tool ``name`` (``PATCH
+        /v1/conversations/{id}`` declares them) with ``args``, and end the turn with
+        ``reason: awaiting_input``. Every device shows the question; the first answer
+        becomes a ``tool_result`` and starts a new turn, whose :meth:`history` ends with
+        it. Returns the call's id; the handler should return after it.
+
+        Raises :class:`Rejected` (``invalid_request``) when ``name`` is not a client tool
+        of the conversation or ``args`` do not fit its ``parameters`` schema."""
+        tool = tools.find(self.meta.tools if self.meta else None, name)
+        if tool is None:
+            raise Rejected("invalid_request", f"{name} is not a client tool of this "
+                           "conversation")
+        tools.check_args(tool, args)
+        if call_id is None:
+            call_id = f"call_{self.turn_id}_{self._counts.get('tool_call', 0)}"
+        await self.event("tool_call", {"call_id": call_id, "name": name, "args": args,
+                                       "awaiting": True})
+        await self.end(reason="awaiting_input")
+        return call_id
+
+    @property
+    def client_tools(self) -> list[ClientTool]:
+        """The tools this turn's agent may call to ask a person (:meth:`ask`)."""
+        return tools.declared(self.meta.tools if self.meta else None)
 
     async def goal_state(self, active: bool, objective: str = "", ui_summary: str = "",
                          recap: str | None = None, status: str | None = None) -> Published:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WIRE = {"gateway", "gateway.protocol", "gateway.closecodes"}
 """The wire contract, which the client SDK shares with the server."""
 
-WORKER_SHARED = WIRE | {"gateway.config", "gateway.errors", "gateway.events"}
+WORKER_SHARED = WIRE | {"gateway.config", "gateway.errors", "gateway.events", "gateway.tools"}
 """What the worker SDK shares with the server, beside the Redis layer (``gateway.redis.*``)."""
 
 FRONT = {"gateway.cli", "gateway.__main__"}

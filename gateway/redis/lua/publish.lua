@@ -16,10 +16,12 @@
 -- ARGV[8] writer: the user who must own the conversation ("" = anyone, e.g. a service)
 -- ARGV[9] streamed types, comma-separated (k of them)
 -- ARGV[10] most bytes of text one stream may hold
--- ARGV[11] the tree operation this batch is ("" none, or message, retry, edit, undo, switch)
+-- ARGV[11] the tree operation this batch is ("" none, or message, retry, edit, undo,
+--          switch, answer)
 -- ARGV[12] the head the operation expects ("" any, "^" none, else a node id)
 -- ARGV[13] "1": cancel a running turn first (else the operation is refused while one runs)
--- ARGV[14] the operation's node: the message an edit replaces, the node a switch goes to
+-- ARGV[14] the operation's node: the message an edit replaces, the node a switch goes to,
+--          the tool call an answer answers
 -- ARGV[15] who asks (the head event's "by")   ARGV[16] the msg_id of this batch's message
 -- ARGV[17] the turn the publisher writes for ("" = whichever runs): the batch is refused
 --          (no_active_turn, turn_mismatch) unless that turn is the running one, so a turn
@@ -39,6 +41,11 @@
 --   cancel_requested  the turn it cancels, or "" for the running one; needs a running turn
 --   goal_state    (none) data is stored as the conversation's goal snapshot
 --   state         the snapshot (JSON), stored as the conversation's agent state (meta state)
+--   client_tools  the tools (JSON), stored as the conversation's client tools (meta tools)
+--   tool_call     "?<call id> <name>" when the agent asks a person (a client tool, awaiting
+--                 an answer: meta awaiting), else the run's attempt
+--   tool_result   with the operation answer: the list's preview; the result is a node of
+--                 the person's side, like a user message, and a new turn follows it
 --   title         the title's source; data is the new title (raw text)
 --   child         the sub-conversation's chat id, added to KEYS[5+k]; data {chat_id, title}
 --   a streamed type (ephemeral, while a turn runs)  the run's attempt: the delta joins its
@@ -172,7 +179,7 @@ end
 -- turn's. Every other durable type that is not streamed is plain: its node is the running
 -- turn's (node_of).
 local CONVERSATION_LEVEL = {title = true, goal_state = true, head = true, child = true,
-                            state = true}
+                            state = true, client_tools = true}
 local TURN_LEVEL = {user_message = true, turn_start = true, turn_end = true,
                     cancel_requested = true}
 
@@ -183,6 +190,7 @@ local TURN_LEVEL = {user_message = true, turn_start = true, turn_end = true,
 if n == 1 and op == '' and ARGV[base + 1] == '1' then
   local typ = ARGV[base]
   if not (CONVERSATION_LEVEL[typ] or TURN_LEVEL[typ] or first_text_key or first_commits)
+      and not (typ == 'tool_call' and string.sub(ARGV[base + 3], 1, 1) == '?')
       and not (idem and redis.call('EXISTS', idem) == 1) then
     local f = redis.call('HMGET', meta, 'epoch', 'owner', 'seq', 'turn_id', 'head')
     local epoch, owner, head, running = f[1], f[2], f[5] or '', f[4] or ''

@@ -131,6 +131,14 @@ if op ~= '' then
     return refuse('conflict', 'the head is ' .. shown(head_before) .. ', not ' ..
                   shown(expected == '^' and '' or expected), head_before)
   end
+  if op == 'answer' then
+    -- A person's answer to a client tool the agent asked: the first one wins.
+    local awaiting = m.awaiting and m.awaiting ~= '' and cjson.decode(m.awaiting) or {}
+    if not awaiting[target] then
+      return refuse('conflict', 'tool call ' .. target .. ' is not awaiting an answer ' ..
+                    '(answered already, or a later message left it unanswered)', head_before)
+    end
+  end
   if m.status == 'running' then
     if not cancel then
       return refuse('turn_in_progress', 'turn ' .. m.turn_id .. ' is still running; send ' ..
@@ -140,6 +148,7 @@ if op ~= '' then
     table.insert(events, 1, {'turn_end', true, '{"reason":"cancelled"}', ''})
     n = n + 1
   end
+  if op ~= '' then m.awaiting = '' end  -- any move of the path leaves a question unanswered
   if op == 'retry' then
     local node = head_before ~= '' and node_get(tree, head_before)
     if not node or node.k ~= 'turn' or node.p == '' then
@@ -195,6 +204,21 @@ for i = 0, n - 1 do
       status, turn = 'idle', ''
       streamed_bytes = {}
     end
+  elseif typ == 'tool_call' and string.sub(arg, 1, 1) == '?' then
+    -- An agent asks a person: the tool must be one of the conversation's client tools.
+    local name = string.match(arg, '^%?%S+ (.+)$')
+    local known = false
+    for _, tool in ipairs(m.tools and m.tools ~= '' and cjson.decode(m.tools) or {}) do
+      if tool.name == name then known = true end
+    end
+    if not known then
+      return refuse('invalid_request', 'tool_call: ' .. tostring(name) ..
+                    ' is not a client tool of this conversation')
+    end
+    if named ~= '' and (status ~= 'running' or turn ~= named) then
+      return refuse(status ~= 'running' and 'no_active_turn' or 'turn_mismatch',
+                    'turn ' .. named .. ' has ended; its tool_call is refused')
+    end
   elseif named ~= '' and (status ~= 'running' or turn ~= named) then
     -- Written for a turn that is over: never filed under the one running now.
     if status ~= 'running' then
@@ -236,7 +260,7 @@ local message_node = nil  -- the user_message this batch added
 local filed = nil  -- the turn the batch's other durable events belong to
 local function node_of(typ, arg)
   if CONVERSATION_LEVEL[typ] then return '' end
-  if typ == 'user_message' then return msg_id end
+  if typ == 'user_message' or (op == 'answer' and typ == 'tool_result') then return msg_id end
   if typ == 'turn_start' then return arg end
   if not TURN_LEVEL[typ] and (m.turn_id or '') ~= '' then filed = filed or m.turn_id end
   return m.turn_id or ''
@@ -364,6 +388,19 @@ for i = 0, n - 1 do
   elseif typ == 'state' then
     m.state = arg
     changed = true
+  elseif typ == 'client_tools' then
+    m.tools = arg
+    changed = true
+  elseif typ == 'tool_call' and string.sub(arg, 1, 1) == '?' then
+    local call_id, name = string.match(arg, '^%?(%S+) (.+)$')
+    local awaiting = m.awaiting and m.awaiting ~= '' and cjson.decode(m.awaiting) or {}
+    awaiting[call_id] = name
+    m.awaiting = cjson.encode(awaiting)
+    listed, changed = true, true
+  elseif typ == 'tool_result' and op == 'answer' then
+    message_node = msg_id
+    m.preview = arg
+    changed = true
   elseif typ == 'title' then
     local previous = m.title ~= '' and cjson.encode(m.title) or 'null'
     data = '{"title":' .. cjson.encode(data) .. ',"previous":' .. previous ..
@@ -407,7 +444,7 @@ for i = 0, n - 1 do
   if durable and typ == 'message' then answered_with(data_field(data, 'text', 'string')) end
   local at = emit(typ, durable, data, stream_part, node)
   if i >= (cancelled and 1 or 0) then seqs[#seqs + 1] = at end  -- not the cancel's turn_end
-  if typ == 'user_message' then
+  if typ == 'user_message' or (typ == 'tool_result' and op == 'answer') then
     node_add(tree, msg_id, 'user', parent_of_message, at, arg)
     redis.call('ZADD', starts, at, at)
   elseif typ == 'turn_start' then
@@ -417,7 +454,8 @@ end
 
 -- The head moves last, as one durable event: to the turn the batch started, or where an
 -- undo or a switch goes.
-if started and (op == '' or op == 'message' or op == 'retry' or op == 'edit') then
+if started and (op == '' or op == 'message' or op == 'retry' or op == 'edit'
+    or op == 'answer') then
   new_head = started
   if op == '' then cause = 'message' end
 end
