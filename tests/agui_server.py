@@ -118,6 +118,14 @@ def make_agent(recorder: Recorder) -> Agent[Deps, str]:
                 return
             yield "Checking. "
             yield {1: DeltaToolCall(name="extras", json_args="{}", tool_call_id="call_extras")}
+        elif command == "ask":  # a client tool: the frontend (a person) answers it
+            if _after_tool(messages):
+                answer = next(part.content for part in messages[-1].parts  # type: ignore[union-attr]
+                              if isinstance(part, ToolReturnPart))
+                yield f"The person said {answer}."
+                return
+            yield {0: DeltaToolCall(name="approve_payment", json_args='{"amount": 42.5}',
+                                    tool_call_id="call_ask")}
         elif command == "fail":
             yield "Let me "
             raise RuntimeError("the model is out of coffee")

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.sdk.agent import AgentWorker, Turn
@@ -477,3 +478,40 @@ async def test_a_second_device_resumes_mid_answer(
                     message = frame["data"]
         await until_turn_end(ws, chat_id)
     assert text == message["text"] == words(150)
+
+
+async def test_a_client_tool_asks_the_person_and_the_answer_goes_back_to_the_agent(
+    gateway: Any, redis_url: str, group: str, user: str, chat_id: str
+) -> None:
+    """The conversation's client tools reach the agent as ``RunAgentInput.tools``; its
+    call of one asks the person, and the answer starts a run whose messages end with the
+    call and its result, so the agent goes on."""
+    approve = {"name": "approve_payment", "description": "Ask to approve a payment",
+               "parameters": {"type": "object", "properties": {"amount": {"type": "number"}}},
+               "result": {"type": "object", "properties": {"approved": {"type": "boolean"}}}}
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        await http.post("/v1/conversations", json={"chat_id": chat_id},
+                        headers=gateway.headers(user))
+        resp = await http.patch(f"/v1/conversations/{chat_id}", json={"client_tools": [approve]},
+                                headers=gateway.headers(user))
+        assert resp.status_code == 200, resp.text
+    async with serving() as (base, agent), \
+            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
+            connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        asked = await turn_frames(ws, chat_id, "ask")
+        assert asked[-1]["data"]["reason"] == "awaiting_input", asked[-1]
+        call = of_type(asked, "tool_call")[0]["data"]
+        assert call == {"call_id": "call_ask", "name": "approve_payment",
+                        "args": {"amount": 42.5}, "awaiting": True}
+        await ws.send({"type": "tool_result", "chat_id": chat_id, "call_id": "call_ask",
+                       "result": {"approved": True}})
+        after = await until_turn_end(ws, chat_id)
+    assert agent.inputs[0]["tools"] == [{"name": "approve_payment",
+                                         "description": "Ask to approve a payment",
+                                         "parameters": approve["parameters"]}]
+    tail = agent.inputs[1]["messages"][-2:]
+    assert tail[0]["toolCalls"][0]["id"] == "call_ask"
+    assert tail[1]["role"] == "tool" and tail[1]["toolCallId"] == "call_ask"
+    assert of_type(after, "message")[0]["data"]["text"].startswith("The person said")
+    assert after[-1]["data"]["reason"] == "complete"

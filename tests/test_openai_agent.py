@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from openai.types.chat import ChatCompletionChunk
@@ -382,6 +383,47 @@ async def test_tool_calls_become_tool_call_events(
         {"role": "tool", "tool_call_id": "call_t", "content": UNANSWERED},
         {"role": "user", "content": "well?"},
     ]
+
+
+async def test_a_client_tool_call_asks_the_person_and_the_answer_goes_back_to_the_model(
+    gateway: Any, redis_url: str, group: str, user: str, chat_id: str
+) -> None:
+    """The conversation's client tools reach the model as ``tools``; its call of one asks
+    the person (the turn ends awaiting_input), and the answer starts a turn whose request
+    ends with the call and its result."""
+    approve = {"name": "approve_payment", "description": "Ask to approve a payment",
+               "parameters": {"type": "object", "properties": {"amount": {"type": "number"}}},
+               "result": {"type": "object", "properties": {"approved": {"type": "boolean"}}}}
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        await http.post("/v1/conversations", json={"chat_id": chat_id},
+                        headers=gateway.headers(user))
+        resp = await http.patch(f"/v1/conversations/{chat_id}", json={"client_tools": [approve]},
+                                headers=gateway.headers(user))
+        assert resp.status_code == 200, resp.text
+    async with model_server() as model:
+        model.plans = [Plan(text=["Let me ask."],
+                            calls=[("call_p", "approve_payment", ['{"amount": 4', '2.5}'])]),
+                       Plan(text=["Paid."])]
+        async with driven(redis_url, group, OpenAIAgent(model.url, MODEL)), \
+                connect(gateway.url(user)) as ws:
+            await ws.subscribe(chat_id)
+            frames = await turn_frames(ws, chat_id, "pay the hotel")
+            assert frames[-1]["data"]["reason"] == "awaiting_input"
+            call = of_type(frames, "tool_call")[0]["data"]
+            assert call == {"call_id": "call_p", "name": "approve_payment",
+                            "args": {"amount": 42.5}, "awaiting": True}
+            await ws.send({"type": "tool_result", "chat_id": chat_id, "call_id": "call_p",
+                           "result": {"approved": True}})
+            after = await until_turn_end(ws, chat_id)
+    assert of_type(after, "message")[0]["data"]["text"] == "Paid."
+    assert model.requests[0]["tools"] == [{"type": "function", "function": {
+        "name": "approve_payment", "description": "Ask to approve a payment",
+        "parameters": approve["parameters"]}}]
+    assert model.requests[1]["messages"][-2:] == [
+        {"role": "assistant", "content": "Let me ask.", "tool_calls": [
+            {"id": "call_p", "type": "function",
+             "function": {"name": "approve_payment", "arguments": '{"amount": 42.5}'}}]},
+        {"role": "tool", "tool_call_id": "call_p", "content": '{"approved": true}'}]
 
 
 # --- stop -------------------------------------------------------------------------------------

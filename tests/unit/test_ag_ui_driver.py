@@ -18,6 +18,7 @@ class FakeTurn:
         self.state = state
         self.cancel_event = asyncio.Event()
         self.published: list[tuple[str, Any]] = []
+        self.client_tools: list[Any] = []  # none: every call is a plain tool_call
 
     async def delta(self, text: str) -> None:
         self.published.append(("delta", text))

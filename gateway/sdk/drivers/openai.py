@@ -49,8 +49,10 @@ from urllib.parse import urlsplit, urlunsplit
 import openai
 from openai.types.chat import ChatCompletionChunk
 
+from ...protocol import ClientTool
 from ..agent import Turn
 from ..context import Message
+from . import call_tool
 
 log = logging.getLogger("gateway.agent.openai")
 
@@ -155,10 +157,16 @@ class OpenAIAgent:
             self._client_loop = loop
         return self._client
 
-    def request(self, messages: list[Message]) -> dict[str, Any]:
-        """The keyword arguments of ``chat.completions.create`` for ``messages``."""
+    def request(self, messages: list[Message],
+                client_tools: Sequence[ClientTool] = ()) -> dict[str, Any]:
+        """The keyword arguments of ``chat.completions.create`` for ``messages``; the
+        conversation's client tools as the model's ``tools``."""
         kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True,
                                   "stream_options": {"include_usage": True}}
+        if client_tools:
+            kwargs["tools"] = [{"type": "function", "function": {
+                "name": tool.name, "description": tool.description,
+                "parameters": tool.parameters}} for tool in client_tools]
         if self.temperature is not None:
             kwargs["temperature"] = self.temperature
         if self.params:
@@ -314,7 +322,7 @@ class _Run:
         """The response stream, the connection tried again while it is refused; None when
         the turn was cancelled first."""
         delays = list(self.agent.retry_delays)
-        request = self.agent.request(messages)
+        request = self.agent.request(messages, self.turn.client_tools)
         create: Any = self.agent.client().chat.completions.create
         while True:
             try:
@@ -428,7 +436,7 @@ class _Run:
             args = json.loads(text) if text.strip() else {}
         except ValueError:
             args = text  # kept as it came: the model's own words
-        await self.turn.tool_call(call.name, args, call_id=call.id or None)
+        await call_tool(self.turn, call.name, args, call.id or None)
 
 
 async def _next(stream: Any) -> Any:
