@@ -198,3 +198,35 @@ async def test_tools_are_declared_with_checked_schemas_and_asked_only_by_name(
                     json={"type": "tool_call", "data": {**data, "awaiting": True}},
                     headers=gateway.headers("agent", "service"))
                 assert resp.status_code == 400 and says in resp.json()["error"]["message"]
+
+
+async def test_the_python_client_answers_and_keeps_the_answer_in_its_tree(
+        gateway: Any, redis_url: str, group: str, user: str) -> None:
+    """``GatewayClient``: a creating subscribe names the agent, ``answer`` answers the
+    question, and the answer is a node of the active path it keeps."""
+    from gateway.sdk.client import GatewayClient, RequestError
+
+    from .test_named_agents import fresh
+
+    agent, chat_id = fresh("asker"), fresh("chat")
+    async with agent_worker(redis_url, asking_handler([]), "agents", name=agent), \
+            GatewayClient(gateway.ws, token_factory=lambda: gateway.token(user)) as client:
+        await client.subscribe(chat_id, agent=agent)
+        await declare(gateway, user, chat_id, APPROVE)
+        await client.send_message(chat_id, "pay")
+        call = None
+        async for item in client.events(chat_id):
+            if item.type == "tool_call":
+                call = item.data
+            if item.type == "turn_end":
+                break
+        assert call is not None and call["awaiting"] is True
+        ack = await client.answer(chat_id, call["call_id"], {"approved": True})
+        with pytest.raises(RequestError) as refused:
+            await client.answer(chat_id, call["call_id"], {"approved": False})
+        assert refused.value.code == "conflict"
+        async for item in client.events(chat_id):
+            if item.type == "turn_end":
+                break
+        path = client.active_path(chat_id)
+        assert path[-2:] == [ack.msg_id, ack.turn_id] and client.head(chat_id) == ack.turn_id

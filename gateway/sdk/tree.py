@@ -104,7 +104,8 @@ class ConversationTree:
         if not isinstance(seq, int) or not isinstance(data, Mapping):
             return None
         kind = frame.get("type")
-        if kind == "user_message":
+        if kind == "user_message" or (kind == "tool_result" and "msg_id" in data):
+            # a person's answer to a client tool is a node of their side too
             self._add(data.get("msg_id"), "user", data.get("parent_id"), seq)
         elif kind == "turn_start":
             self._add(data.get("turn_id"), "turn", data.get("parent_id"), seq)

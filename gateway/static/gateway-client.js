@@ -256,8 +256,10 @@ export class ConversationTree {
     const seq = frame.seq;
     const data = frame.data;
     if (typeof seq !== "number" || !data || typeof data !== "object") return null;
-    if (frame.type === "user_message") this._add(data.msg_id, "user", data.parent_id, seq);
-    else if (frame.type === "turn_start") this._add(data.turn_id, "turn", data.parent_id, seq);
+    // A person's answer to a client tool (a tool_result with msg_id) is a node of their side.
+    if (frame.type === "user_message" || (frame.type === "tool_result" && "msg_id" in data)) {
+      this._add(data.msg_id, "user", data.parent_id, seq);
+    } else if (frame.type === "turn_start") this._add(data.turn_id, "turn", data.parent_id, seq);
     else if (frame.type === "head") {
       const head = data.head_id;
       if (head === null || typeof head === "string") {

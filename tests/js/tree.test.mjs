@@ -61,6 +61,22 @@ function forkedLog() {
   return log;
 }
 
+test("a person's answer to a client tool is a node of their side, and the path goes on", () => {
+  const log = new Log();
+  log.message("m1", null, "t1", null);
+  log.add("tool_call", { call_id: "c1", name: "approve", args: {}, awaiting: true }, "t1");
+  log.add("turn_end", { turn_id: "t1", reason: "awaiting_input" }, "t1");
+  log.add("tool_result", { call_id: "c1", result: { ok: true }, by: "u1", msg_id: "a1",
+    parent_id: "t1" }, "a1");
+  log.add("turn_start", { turn_id: "t2", started_at: 1, parent_id: "a1" }, "t2");
+  log.head("t2", "t1", "answer");
+  log.add("tool_result", { call_id: "x", result: 1 }, "t2"); // an agent's own: no node
+  const tree = new ConversationTree();
+  for (const frame of log.frames) tree.apply(frame);
+  assert.deepEqual(tree.path(), ["m1", "t1", "a1", "t2"]);
+  assert.equal(tree.head, "t2");
+});
+
 test("the tree: nodes from the events, the head, the path, siblings, visibility", () => {
   const log = forkedLog();
   const tree = new ConversationTree();

@@ -398,8 +398,11 @@ for i = 0, n - 1 do
     m.awaiting = cjson.encode(awaiting)
     listed, changed = true, true
   elseif typ == 'tool_result' and op == 'answer' then
+    -- A node of the person's side, like a user message: its id and parent, for the trees.
     message_node = msg_id
     m.preview = arg
+    data = splice(data, '"msg_id":' .. cjson.encode(msg_id) .. ',"parent_id":' ..
+                  id_or_null(parent_of_message))
     changed = true
   elseif typ == 'title' then
     local previous = m.title ~= '' and cjson.encode(m.title) or 'null'

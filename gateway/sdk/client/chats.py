@@ -14,7 +14,7 @@ from .items import SubscribeResult
 
 
 class Chat:
-    __slots__ = ("buffered_gen", "create", "desired", "dropping", "epoch", "live_gen",
+    __slots__ = ("agent", "buffered_gen", "create", "desired", "dropping", "epoch", "live_gen",
                  "resyncing", "running", "seq", "streams", "tree", "waiters")
 
     def __init__(self) -> None:
@@ -29,6 +29,7 @@ class Chat:
         self.tree = ConversationTree()
         self.resyncing = False  # a gap in a stream: waiting for a fresh snapshot
         self.create = True  # False: subscribe with create: false (not_found, never created)
+        self.agent: str | None = None  # the agent that answers it, when a subscribe creates it
         self.running = False  # a turn runs: frames are expected (the watchdog listens closer)
 
 

@@ -287,6 +287,8 @@ class ConnectionLoop:
         frame: dict[str, Any] = {"type": "subscribe", "chat_id": chat_id}
         if not chat.create:
             frame["create"] = False
+        elif chat.agent is not None:
+            frame["agent"] = chat.agent
         since = None
         if not resync and (chat.buffered_gen == conn.gen or chat.live_gen == conn.gen):
             pass  # the server has our buffer, or it is live: no replay needed

@@ -242,12 +242,14 @@ class GatewayClient(ConnectionLoop):
     # --- requests ---------------------------------------------------------------------
 
     async def subscribe(self, chat_id: str, *, seq: int | None = None,
-                        epoch: str | None = None, create: bool = True) -> SubscribeResult:
+                        epoch: str | None = None, create: bool = True,
+                        agent: str | None = None) -> SubscribeResult:
         """Subscribe (and keep subscribed across reconnects). ``seq``/``epoch`` resume from
         an explicit position, as ``since``. Waits for the ``subscribed`` reply (which may come
         after a reconnect); raises :class:`RequestError` (``forbidden``, ...). With
         ``create=False`` a conversation that does not exist is not created: ``not_found``
-        (kept for the chat's resubscribes)."""
+        (kept for the chat's resubscribes). ``agent`` names the agent that answers a
+        conversation this subscribe creates (GET /v1/agents lists the live ones)."""
         self._check_open()
         check_chat_id(chat_id)
         if (seq is None) != (epoch is None):
@@ -256,6 +258,7 @@ class GatewayClient(ConnectionLoop):
         if seq is not None:
             chat.seq, chat.epoch, chat.live_gen, chat.buffered_gen = seq, epoch, None, None
         chat.desired, chat.dropping, chat.create = True, False, create
+        chat.agent = agent
         self._items.drop_ended(chat_id)  # a new subscription: a new stream
         waiter: asyncio.Future[SubscribeResult] = asyncio.get_running_loop().create_future()
         chat.waiters.append(waiter)
@@ -322,6 +325,19 @@ class GatewayClient(ConnectionLoop):
         frame: dict[str, Any] = {"type": "cancel", "chat_id": chat_id}
         if turn_id is not None:
             frame["turn_id"] = turn_id
+        return self._submit(frame, retry_safe=False)
+
+    def answer(self, chat_id: str, call_id: str, result: Any) -> asyncio.Future[p.Ack]:
+        """Queue a person's answer to a client tool call that awaits one (a ``tool_call``
+        with ``awaiting: true``; ``subscribed.snapshot.awaiting`` lists them). The ack has
+        the new turn's ``turn_id``: the agent goes on with the answer. Fails with
+        :class:`RequestError` ``conflict`` when another answer won (or the call is not
+        awaiting), ``invalid_request`` when the answer does not fit the tool's schema. Not
+        repeated after a connection loss once written: it then fails with
+        :class:`ConnectionLost` (subscribe again to see whether it won)."""
+        check_chat_id(chat_id)
+        frame = {"type": "tool_result", "chat_id": chat_id, "call_id": call_id,
+                 "result": result}
         return self._submit(frame, retry_safe=False)
 
     def _submit(self, frame: dict[str, Any], retry_safe: bool) -> asyncio.Future[p.Ack]:
