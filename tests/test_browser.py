@@ -13,11 +13,15 @@ Node, against a fake gateway: ``tests/js`` (``npm test`` there; ``scripts/test``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,8 @@ from gateway.embedded import EmbeddedRedis
 from .conftest import GatewayProcess, free_port
 from .netproxy import SilenceableProxy
 from .steps import history_sync as history  # these tests are synchronous
+from .test_agent import agent_worker
+from .test_named_agents import answering
 
 pytestmark = pytest.mark.browser
 
@@ -1642,3 +1648,242 @@ def test_no_token_in_the_address_bar_a_console_or_a_socket_url(
                         ("request URL", requests[1:])):
         leaked = [line for line in seen if token in line or "token=" in line]
         assert not leaked, f"the token in a {where}: {leaked}"
+
+
+# --- what an agent does besides answering: tool calls, steps, its state; named agents ----
+
+
+def scripted_chat(gw: GatewayProcess, user: str) -> str:
+    """A conversation of an agent no worker runs (its turns wait in their inbox): the test
+    plays that agent, publishing over HTTP as a service, each publish naming its turn."""
+    chat_id = f"c_{uuid.uuid4().hex[:12]}"
+    resp = httpx.post(f"{gw.http}/v1/conversations", headers=gw.headers(user),
+                      json={"chat_id": chat_id, "agent": f"scripted-{uuid.uuid4().hex[:8]}"})
+    assert resp.status_code == 201, resp.text
+    return chat_id
+
+
+def as_agent(gw: GatewayProcess, chat_id: str, turn_id: str, *events: dict[str, Any]) -> None:
+    """Publish ``events`` (one batch) for the turn ``turn_id``, as its agent would."""
+    resp = httpx.post(f"{gw.http}/v1/conversations/{chat_id}/events",
+                      json={"events": list(events), "turn_id": turn_id},
+                      headers=gw.headers("agent", "service"))
+    assert resp.status_code == 200, resp.text
+
+
+def step(name: str, status: str) -> dict[str, Any]:
+    return {"type": "step", "data": {"name": name, "status": status}, "durable": False}
+
+
+def ask(page: Any, text: str) -> str:
+    """Send ``text`` in a scripted chat; returns the turn it started, once the page runs it."""
+    before = head_of(page)
+    send(page, text)
+    turn = head_moved(page, before)
+    expect(page.get_by_test_id("chat-status")).to_have_attribute("data-status", "running",
+                                                                 timeout=TURN)
+    return turn
+
+
+def before(first: Any, second: Any) -> bool:
+    """Whether ``first`` comes before ``second`` in the page."""
+    ok: bool = first.evaluate("(a, b) => !!(a.compareDocumentPosition(b) & "
+                              "Node.DOCUMENT_POSITION_FOLLOWING)", second.element_handle())
+    return ok
+
+
+@BOTH
+def test_tool_calls_are_rows_that_open_on_their_arguments_and_result(
+        page: Any, demo: GatewayProcess, user: str, size: str) -> None:
+    sized(page, size)
+    chat_id = scripted_chat(demo, user)
+    open_app(page, demo, user, chat=chat_id)
+    synced(page, chat_id)
+    turn = ask(page, "Which tram goes to Belém?")
+    as_agent(demo, chat_id, turn, {"type": "tool_call", "data": {
+        "call_id": "call_1", "name": "search_timetable", "args": {"line": 15, "to": "Belém"}}})
+    row = page.locator('[data-testid="tool-call"][data-call-id="call_1"]')
+    expect(row).to_be_visible(timeout=TURN)
+    # Collapsed: its name, its arguments in a line, running until its result comes.
+    expect(row.get_by_test_id("tool-name")).to_have_text("search_timetable")
+    expect(row.get_by_test_id("tool-brief")).to_have_text('line: 15 · to: "Belém"')
+    expect(row.get_by_test_id("tool-status")).to_have_text("running…")
+    expect(row).to_have_js_property("open", False)
+    expect(row.get_by_test_id("tool-args")).to_be_hidden()
+    as_agent(demo, chat_id, turn, {"type": "tool_result", "data": {
+        "call_id": "call_1", "result": {"departs": "12:04", "stop": "Praça da Figueira"}}})
+    expect(row.get_by_test_id("tool-status")).to_have_text("done", timeout=TURN)
+    as_agent(demo, chat_id, turn, {"type": "message", "data": {"text": "Tram 15, at 12:04."}},
+             {"type": "turn_end", "data": {}})
+    answered(page, turn)
+    answer = messages(page, "assistant")
+    expect(answer).to_have_text("Tram 15, at 12:04.")
+    assert before(row, answer), "the tool row comes before the answer it led to"
+    expect(row).to_have_count(1)
+
+    # Opened from the keyboard (a <details>: its summary is a button), on both.
+    summary = row.locator("summary")
+    summary.focus()
+    page.keyboard.press("Enter")
+    expect(row).to_have_js_property("open", True)
+    args = row.get_by_test_id("tool-args")
+    expect(args).to_be_visible()
+    expect(args).to_contain_text('"line": 15')
+    expect(args).to_contain_text('"to": "Belém"')
+    expect(row.get_by_test_id("tool-result")).to_contain_text('"stop": "Praça da Figueira"')
+    problems = axe_problems(page, "a tool row opened")
+    assert not problems, "\n".join(problems)
+    page.keyboard.press("Enter")
+    expect(row).to_have_js_property("open", False)
+    expect(args).to_be_hidden()
+
+    # From the history after a reload: the same row, with its result.
+    page.reload()
+    expect(page.get_by_test_id("app")).to_have_attribute("data-ready", "true", timeout=TURN)
+    synced(page, chat_id)
+    expect(row).to_have_count(1)
+    expect(row.get_by_test_id("tool-status")).to_have_text("done")
+    row.locator("summary").click()
+    expect(row.get_by_test_id("tool-result")).to_contain_text('"departs": "12:04"')
+    assert_transcript(page, demo, user, chat_id)
+
+
+def test_a_step_shows_under_the_answer_while_it_runs(page: Any, demo: GatewayProcess,
+                                                     user: str) -> None:
+    chat_id = scripted_chat(demo, user)
+    open_app(page, demo, user, chat=chat_id)
+    synced(page, chat_id)
+    turn = ask(page, "Is there a bakery open nearby?")
+    line = page.get_by_test_id("step")
+    expect(line).to_have_count(0)
+    as_agent(demo, chat_id, turn, step("search_places", "started"))
+    expect(line).to_have_text("search places…", timeout=TURN)
+    # Under the answer being written.
+    as_agent(demo, chat_id, turn, {"type": "delta", "data": {"text": "There is one "},
+                                   "durable": False})
+    streaming = page.get_by_test_id("streaming-text")
+    expect(streaming).to_have_text("There is one ", timeout=TURN)
+    assert before(streaming, line)
+    as_agent(demo, chat_id, turn, step("search_places", "finished"))
+    expect(line).to_have_count(0, timeout=TURN)
+    # One that is still running when the turn ends goes with the turn.
+    as_agent(demo, chat_id, turn, step("check_hours", "started"))
+    expect(line).to_have_text("check hours…", timeout=TURN)
+    as_agent(demo, chat_id, turn, {"type": "message", "data": {"text": "There is one open."}},
+             {"type": "turn_end", "data": {}})
+    answered(page, turn)
+    expect(line).to_have_count(0)
+    assert_transcript(page, demo, user, chat_id)
+
+
+def test_the_agent_state_panel_is_hydrated_on_reload_and_updated_live(
+        page: Any, demo: GatewayProcess, user: str) -> None:
+    chat_id = scripted_chat(demo, user)
+    open_app(page, demo, user, chat=chat_id)
+    synced(page, chat_id)
+    panel = page.get_by_test_id("agent-state")
+    line = page.get_by_test_id("agent-state-brief")
+    expect(panel).to_be_hidden()  # no state yet: no panel
+    turn = ask(page, "Plan three days in Lisbon")
+    as_agent(demo, chat_id, turn, {"type": "state",
+                                   "data": {"snapshot": {"city": "Lisbon", "days": 3}}})
+    expect(panel).to_be_visible(timeout=TURN)
+    expect(line).to_have_text('city: "Lisbon" · days: 3')
+    expect(panel).to_have_js_property("open", False)  # small: a line, until opened
+    as_agent(demo, chat_id, turn, {"type": "message", "data": {"text": "Done."}},
+             {"type": "turn_end", "data": {}})
+    answered(page, turn)
+
+    page.reload()
+    expect(page.get_by_test_id("app")).to_have_attribute("data-ready", "true", timeout=TURN)
+    synced(page, chat_id)
+    expect(panel).to_be_visible()
+    expect(line).to_have_text('city: "Lisbon" · days: 3')
+
+    turn = ask(page, "Make it four, with Sintra")
+    as_agent(demo, chat_id, turn, {"type": "state", "data": {"snapshot": {
+        "city": "Lisbon", "days": 4, "stops": ["Sintra"]}}})
+    expect(line).to_have_text('city: "Lisbon" · days: 4 · stops: [1]', timeout=TURN)
+    panel.locator("summary").click()
+    json_view = page.get_by_test_id("agent-state-json")
+    expect(json_view).to_be_visible()
+    expect(json_view).to_contain_text('"days": 4')
+    expect(json_view).to_contain_text('"Sintra"')
+    problems = axe_problems(page, "the agent state panel opened")
+    assert not problems, "\n".join(problems)
+    as_agent(demo, chat_id, turn, {"type": "turn_end", "data": {}})
+    answered(page, turn)
+    # Another conversation (a new one) has no state: no panel.
+    draft(page)
+    expect(panel).to_be_hidden()
+
+
+@contextlib.contextmanager
+def named_agents(redis_url: str, *names: str) -> Iterator[None]:
+    """In-process AgentWorkers, one per name, each answering "<name> here", on an event
+    loop of their own (Playwright's sync API holds this thread's)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    stack = contextlib.AsyncExitStack()
+
+    async def start() -> None:
+        for name in names:
+            await stack.enter_async_context(
+                agent_worker(redis_url, answering(name), "agents", name=name))
+
+    try:
+        asyncio.run_coroutine_threadsafe(start(), loop).result(TURN / 1000)
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(TURN / 1000)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def test_new_chat_offers_the_live_agents_and_the_header_names_the_one_chosen(
+        page: Any, demo: GatewayProcess, browser_redis: str, user: str) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    alpha, beta = f"alpha-{suffix}", f"beta-{suffix}"
+    header = page.get_by_test_id("chat-agent")
+    picker = page.get_by_test_id("agent-select")
+    with named_agents(browser_redis, alpha, beta):
+        open_app(page, demo, user)
+        draft(page)
+        # The demo agent (default) and the two: each live agent is offered, default first picked.
+        expect(picker).to_be_visible(timeout=TURN)
+        expect(picker.locator("option")).to_have_text(
+            [alpha, beta, "default"], timeout=TURN)
+        expect(picker).to_have_value("default")
+        problems = axe_problems(page, "new chat with three live agents")
+        assert not problems, "\n".join(problems)
+        picker.select_option(beta)
+        send(page, "Who is answering?")
+        chat_id = current_chat(page)
+        expect(header).to_have_text(f"agent: {beta}")
+        expect(messages(page, "assistant")).to_have_text(f"{beta} here", timeout=TURN)
+        stored = httpx.get(f"{demo.http}/v1/conversations/{chat_id}", headers=demo.headers(user))
+        assert stored.json()["agent"] == beta
+        expect(picker).to_be_hidden()  # a conversation names its agent for good
+        # The next new chat offers the one picked last.
+        draft(page)
+        expect(picker).to_have_value(beta)
+        picker.select_option(alpha)
+        send(page, "And now?")
+        other = current_chat(page)
+        assert other != chat_id
+        expect(header).to_have_text(f"agent: {alpha}")
+        expect(messages(page, "assistant")).to_have_text(f"{alpha} here", timeout=TURN)
+        show_sidebar(page)
+        sidebar_item(page, chat_id).locator(".select").click()
+        synced(page, chat_id)
+        expect(header).to_have_text(f"agent: {beta}")
+
+    # Their workers stopped: only the demo agent is live, and "New chat" is one click again.
+    draft(page)
+    expect(page.get_by_test_id("agent-pick")).to_be_hidden(timeout=TURN)
+    send(page, "hello")
+    current_chat(page)
+    expect(header).to_have_text("agent: default")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)

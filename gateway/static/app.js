@@ -4,8 +4,11 @@
 // streaming replies, the goal strip, turn latencies and a connection indicator; the
 // conversation as a tree: the active path only, retry on the last answer, edit on each
 // message, undo (the text back in the composer) and "‹ 2/3 ›" at every fork, every move
-// followed live by every tab. Everything it knows comes from the gateway: GET
-// /v1/conversations, GET .../events (the active path and its forks), and the WebSocket
+// followed live by every tab. An agent's tool calls are rows that open on their arguments
+// and result, a step it runs is a "searching…" line under the answer, and its state a panel
+// under the header. "New chat" offers the live agents (GET /v1/agents) when there are
+// several; the header names the conversation's. Everything it knows comes from the gateway:
+// GET /v1/conversations, GET .../events (the active path and its forks), and the WebSocket
 // through gateway-client.js (which keeps each chat's tree).
 //
 // The message box is live on load: the first message starts a conversation (nothing is
@@ -29,6 +32,8 @@ let everConnected = false;
 let blocked = false; // the token was refused: nothing that needs the gateway can work
 let editingTitle = null; // chat_id whose title is being edited in the sidebar
 let confirmingDelete = null; // chat_id whose deletion awaits a confirmation
+let liveAgents = []; // [{name, kind, workers}]: the agents with a live worker (GET /v1/agents)
+let chosenAgent = null; // the agent picked for the next new chat (null: none picked)
 // The longest message text the gateway takes, in UTF-8 bytes (hello's limits say; this is
 // its default until the first hello).
 let maxTextBytes = 32768;
@@ -122,6 +127,10 @@ function model(chatId) {
       turnId: null,
       goal: null,
       goalSeq: -1,
+      state: null, // the agent's state (snapshot.state, `state` events); null: none
+      stateSeq: -1,
+      calls: new Map(), // call_id -> the tool call's item (its result goes on it)
+      steps: new Map(), // step name -> started: the steps the agent runs now (ephemeral)
       error: null,
       lastSubscribe: null, // {mode, buffered, overflowed, replayed, recovered} of the last `subscribed`
       roots: [], // {id, preview}: the first messages, shown when every message was undone
@@ -138,6 +147,7 @@ function resetModel(m) {
   m.seqs = new Set();
   m.items = [];
   m.nodes = new Map();
+  m.calls = new Map();
   m.streaming = "";
   m.discarded = "";
   m.deltas = 0;
@@ -156,6 +166,13 @@ function setGoal(m, goal, seq) {
   if (seq != null && seq < m.goalSeq) return;
   m.goal = goal ?? null;
   if (seq != null) m.goalSeq = seq;
+}
+
+/** The agent's state, as of `seq` (a `state` event's, or a snapshot's): null for none. */
+function setAgentState(m, state, seq) {
+  if (seq != null && seq < m.stateSeq) return;
+  m.state = state ?? null;
+  if (seq != null) m.stateSeq = seq;
 }
 
 function setStatus(m, status, turnId, seq) {
@@ -190,6 +207,7 @@ function applyEvent(f) {
     case "turn_start":
       setStatus(m, "running", d.turn_id, f.seq);
       endStream(m);
+      m.steps.clear();
       break;
     case "delta":
       if (!f.stream) { // a plain ephemeral delta (no turn running): shown as it comes
@@ -204,8 +222,28 @@ function applyEvent(f) {
       }, f);
       endStream(m);
       break;
-    case "tool_call":
-      insertItem(m, { seq: f.seq, kind: "note", text: `tool: ${d.name ?? "?"}` }, f);
+    case "tool_call": {
+      const call = { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: String(d.name ?? "tool"), args: d.args, result: undefined };
+      insertItem(m, call, f);
+      if (call.callId != null) m.calls.set(call.callId, call);
+      break;
+    }
+    case "tool_result": {
+      // On its call's row; a result whose call this page does not hold gets a row of its own.
+      const call = m.calls.get(d.call_id);
+      if (call) call.result = d.result;
+      else insertItem(m, { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: null, args: undefined, result: d.result }, f);
+      break;
+    }
+    case "step": { // ephemeral: "searching…" while it runs
+      const name = String(d.name ?? "").trim();
+      if (!name) break;
+      m.steps.delete(name); // started again: the latest again
+      if (d.status === "started") m.steps.set(name, f.ts);
+      break;
+    }
+    case "state":
+      setAgentState(m, d.snapshot, f.seq);
       break;
     case "cancel_requested":
       insertItem(m, { seq: f.seq, kind: "note", text: "stop requested", late: true }, f);
@@ -227,12 +265,13 @@ function applyEvent(f) {
       setStatus(m, "idle", null, f.seq);
       if ("goal_state" in d) setGoal(m, d.goal_state, f.seq);
       endStream(m);
+      m.steps.clear();
       break;
     case "deleted":
       removeConversation(f.chat_id, true);
       break;
     default:
-      break; // reasoning_delta, tool_result, custom events: not shown by this demo
+      break; // reasoning_delta, custom events: not shown by this demo
   }
   if (f.chat_id === active) scheduleRender();
 }
@@ -293,6 +332,7 @@ function upsertConversation(c) {
     preview: c.preview ?? null,
     goal_state: c.goal_state ?? null,
     usage: c.usage ?? old?.usage ?? null,
+    agent: c.agent ?? old?.agent ?? null,
     seq,
   });
   const m = models.get(c.chat_id);
@@ -337,6 +377,54 @@ function loadConversations() {
   }, (err) => { throw plainError(err); }).finally(() => { listing = null; });
   return listing;
 }
+
+let askingAgents = null;
+
+/**
+ * The agents with a live worker (GET /v1/agents), for "New chat": asked on load, on every
+ * "New chat" and after a reconnect. A failure keeps the last list.
+ */
+function loadAgents() {
+  if (askingAgents || blocked || !client) return askingAgents;
+  askingAgents = client.listAgents().then((reply) => {
+    const agents = (reply?.agents ?? []).filter((a) => typeof a?.name === "string");
+    agents.sort((a, b) => a.name.localeCompare(b.name));
+    liveAgents = agents;
+    scheduleRender();
+  }, () => { /* kept as it was: offered again at the next ask */ }).finally(() => { askingAgents = null; });
+  return askingAgents;
+}
+
+/**
+ * The agent a new chat names: the one picked, when several are live (the picker is shown);
+ * else none, and the gateway's default answers it.
+ */
+function agentForNewChat() {
+  if (liveAgents.length < 2) return undefined;
+  const value = $("agent-select").value;
+  return liveAgents.some((a) => a.name === value) ? value : undefined;
+}
+
+/** The agent picker of a new chat: the live agents, the one picked before (else `default`) selected. */
+function renderAgentPicker() {
+  const pick = $("agent-pick");
+  const offer = !active && !blocked && liveAgents.length >= 2;
+  pick.hidden = !offer;
+  if (!offer) return;
+  const select = $("agent-select");
+  const names = liveAgents.map((a) => a.name);
+  const wanted = names.includes(chosenAgent) ? chosenAgent
+    : names.includes(select.value) ? select.value : names.includes("default") ? "default" : names[0];
+  if ([...select.options].map((o) => o.value).join("\n") !== names.join("\n")) {
+    select.replaceChildren(...liveAgents.map((a) => {
+      const kind = AGENT_KINDS[a.kind];
+      return h("option", { value: a.name, text: kind ? `${a.name} (${kind})` : a.name });
+    }));
+  }
+  if (select.value !== wanted) select.value = wanted;
+}
+
+const AGENT_KINDS = { "ag-ui": "AG-UI", openai: "OpenAI-compatible" };
 
 /**
  * Fetch a chat's active path over HTTP (its events, and its forks for the tree); returns
@@ -488,9 +576,13 @@ function newChatId() {
   return `c_${[...bytes].map((b) => b.toString(16).padStart(2, "0")).join("")}`;
 }
 
-/** The first message of a new chat: create it (POST), open it, then send the message. */
+/**
+ * The first message of a new chat: create it (POST, naming the agent picked), open it, then
+ * send the message.
+ */
 async function startChat(text) {
   const chatId = newChatId();
+  const agent = agentForNewChat();
   const m = model(chatId);
   const clientMsgId = newClientMsgId();
   m.pending.set(clientMsgId, { text, state: "sending", error: null });
@@ -499,8 +591,9 @@ async function startChat(text) {
   scheduleRender();
   let c;
   try {
-    c = await api("POST", "/v1/conversations", { chat_id: chatId });
+    c = await client.createConversation({ chat_id: chatId, agent });
   } catch (err) {
+    err = plainError(err);
     models.delete(chatId);
     if (active === chatId) {
       active = null;
@@ -978,6 +1071,7 @@ function author(kind) {
 }
 
 function itemNode(m, it) {
+  if (it.kind === "tool") return toolNode(m, it); // its status and result change
   let node = m.nodes.get(it.key);
   if (node) return node;
   if (it.kind === "user" || it.kind === "assistant") {
@@ -1003,6 +1097,39 @@ function itemNode(m, it) {
     node = h("div", { class: "note", "data-testid": "note", "data-seq": it.seq, text: it.text });
   }
   m.nodes.set(it.key, node);
+  return node;
+}
+
+/**
+ * A tool the agent called: a row with its name and arguments in a line, that opens (a
+ * <details>: a button to keyboards and screen readers) on its arguments and its result.
+ */
+function toolNode(m, it) {
+  let node = m.nodes.get(it.key);
+  if (!node) {
+    const known = it.name != null;
+    node = h("details", { class: "tool-call", "data-testid": "tool-call", "data-call-id": it.callId, "data-seq": it.seq },
+      h("summary", { class: "tool-summary" },
+        h("span", { class: "sr-only", text: known ? "The agent used the tool " : "A result of the tool call " }),
+        h("span", { class: "tool-name", "data-testid": "tool-name", text: known ? it.name : it.callId ?? "tool" }),
+        h("span", { class: "tool-brief", "data-testid": "tool-brief", text: known ? brief(it.args, 60) : "" }),
+        h("span", { class: "tool-status", "data-testid": "tool-status" })),
+      h("div", { class: "tool-body" },
+        known ? h("div", { class: "tool-label", text: "Arguments" }) : null,
+        known ? h("pre", { class: "tool-json", "data-testid": "tool-args", text: pretty(it.args) }) : null,
+        h("div", { class: "tool-label", text: "Result" }),
+        h("pre", { class: "tool-json", "data-testid": "tool-result" })));
+    m.nodes.set(it.key, node);
+  }
+  const has = it.result !== undefined;
+  // Still running while its turn runs; a turn that ended without a result left it unanswered.
+  const status = has ? "done" : m.status === "running" && m.turnId === it.node ? "running…" : "no result";
+  node.dataset.state = has ? "done" : status === "no result" ? "none" : "running";
+  const statusNode = node.querySelector(".tool-status");
+  if (statusNode.textContent !== status) statusNode.textContent = status;
+  const result = node.querySelector('[data-testid="tool-result"]');
+  const text = has ? pretty(it.result) : status === "no result" ? "(none)" : "(not yet)";
+  if (result.textContent !== text) result.textContent = text;
   return node;
 }
 
@@ -1113,12 +1240,33 @@ function editorNode(m, it) {
   return node;
 }
 
-/** The answer being written (and an attempt it started over from), if any. */
+/**
+ * The answer being written (and an attempt it started over from), if any, and under it the
+ * step the agent runs now.
+ */
 function streamNodes(m) {
   const nodes = [];
   if (m.discarded && !m.discarded.startsWith(m.streaming)) nodes.push(discardedNode(m));
   if (m.streaming || m.discarded) nodes.push(streamingNode(m));
+  if (m.steps.size) nodes.push(stepNode(m));
   return nodes;
+}
+
+/** "searching…": the step the agent started last and runs still (gone when it finishes). */
+function stepNode(m) {
+  let node = m.nodes.get("step");
+  if (!node) {
+    node = h("div", { class: "step-line", "data-testid": "step" },
+      h("span", { class: "step-dot", "aria-hidden": "true" }), h("span", { class: "step-text" }));
+    m.nodes.set("step", node);
+  }
+  const name = [...m.steps.keys()].at(-1);
+  const words = `${name.replace(/[_-]+/g, " ").trim()}…`;
+  node.dataset.step = name;
+  node.dataset.count = String(m.steps.size);
+  const text = node.lastChild;
+  if (text.textContent !== words) text.textContent = words;
+  return node;
 }
 
 /**
@@ -1151,7 +1299,7 @@ function pathNodes(m) {
   const shown = answerFirst(m.items.filter((it) => tree.visible(it)));
   const path = tree.path();
   // The turn whose answer is being written (a plain delta with no turn: after everything).
-  const writing = (m.streaming || m.discarded) && m.turnId && path.includes(m.turnId) ? m.turnId : null;
+  const writing = (m.streaming || m.discarded || m.steps.size) && m.turnId && path.includes(m.turnId) ? m.turnId : null;
   const lastOf = new Map(); // node -> index of its last item shown
   shown.forEach((it, i) => { if (it.node) lastOf.set(it.node, i); });
   const nodes = [];
@@ -1251,6 +1399,13 @@ function renderChat() {
   $("empty").hidden = !!active || blocked;
   const title = conversationTitle(c);
   if ($("chat-title").textContent !== title) $("chat-title").textContent = title;
+  // The agent that answers it (a conversation names one for good).
+  const agentLabel = $("chat-agent");
+  const agentName = c?.agent ?? "";
+  agentLabel.hidden = !agentName;
+  agentLabel.dataset.agent = agentName;
+  if (agentLabel.lastChild.textContent !== agentName) agentLabel.lastChild.textContent = agentName;
+  renderAgentPicker();
   document.title = active ? `${title} · gateway demo` : "gateway · demo chat";
   const running = m?.status === "running";
   const online = !!client?.connected;
@@ -1279,6 +1434,7 @@ function renderChat() {
     strip.hidden = true;
     strip.dataset.status = "";
   }
+  renderAgentState(m);
 
   const box = $("messages");
   const nodes = [];
@@ -1316,6 +1472,43 @@ function renderChat() {
   const undoButton = $("undo");
   undoButton.disabled = blocked || !active || running || !tree?.headKnown || tree.head == null;
   if (!running && $("composer-hint").dataset.kind === "busy") hint();
+}
+
+/** The agent's state, pretty: as is when it is text, else indented JSON. */
+function pretty(value) {
+  if (value === undefined) return "";
+  if (typeof value === "string") return value;
+  try { return JSON.stringify(value, null, 2) ?? String(value); } catch { return String(value); }
+}
+
+/** A state or an argument list in a line: "city: Lisbon · days: 3", else compact JSON. */
+function brief(value, max = 80) {
+  let text;
+  if (value && typeof value === "object" && !Array.isArray(value)) {
+    const keys = Object.keys(value);
+    text = keys.map((k) => {
+      const v = value[k];
+      return `${k}: ${v !== null && typeof v === "object" ? (Array.isArray(v) ? `[${v.length}]` : "{…}") : JSON.stringify(v)}`;
+    }).join(" · ");
+  } else {
+    text = typeof value === "string" ? value : JSON.stringify(value) ?? "";
+  }
+  text = text.replace(/\s+/g, " ");
+  return text.length > max ? `${text.slice(0, max - 1)}…` : text;
+}
+
+/** The panel of the conversation's agent state, when it has one (collapsed: a line of it). */
+function renderAgentState(m) {
+  const panel = $("agent-state");
+  const state = m?.state ?? null;
+  panel.hidden = state === null;
+  panel.dataset.seq = String(m?.stateSeq ?? "");
+  if (state === null) return;
+  const text = pretty(state);
+  const json = $("agent-state-json");
+  if (json.textContent !== text) json.textContent = text;
+  const line = brief(state);
+  if ($("agent-state-brief").textContent !== line) $("agent-state-brief").textContent = line;
 }
 
 let countdown = null;
@@ -1366,8 +1559,10 @@ function autosize() {
 function wire() {
   $("new-chat").addEventListener("click", () => {
     selectChat(null);
+    loadAgents(); // who is live now: the picker follows
     $("input").focus();
   });
+  $("agent-select").addEventListener("change", () => { chosenAgent = $("agent-select").value; });
   $("open-drawer").addEventListener("click", openDrawer);
   $("close-drawer").addEventListener("click", closeDrawer);
   $("scrim").addEventListener("click", closeDrawer);
@@ -1425,7 +1620,10 @@ async function boot() {
     everConnected = true;
   });
   // Reconnected: the feed frames sent meanwhile are not replayed; the list catches up.
-  client.on("feed_gap", () => { loadConversations().catch(() => {}); });
+  client.on("feed_gap", () => {
+    loadConversations().catch(() => {});
+    loadAgents();
+  });
   client.on("conversation", (f) => {
     if (f.deleted) removeConversation(f.chat_id, true);
     else upsertConversation(f);
@@ -1442,6 +1640,9 @@ async function boot() {
     setStatus(m, snap.status ?? "idle", snap.turn_id, frame.seq);
     ensurePath(m); // after a replay of nothing, the head is known in full now
     setGoal(m, snap.goal_state ?? null, frame.seq); // the goal survives a reload
+    setAgentState(m, snap.state, frame.seq); // and so does the agent's state
+    // Steps are ephemeral (never replayed): those that ended meanwhile went unheard.
+    if (snap.status !== "running") m.steps.clear();
     if (snap.title) setTitle(chatId, snap.title, frame.seq);
     const c = conversations.get(chatId);
     if (c && snap.usage && frame.seq >= (c.seq ?? -1)) c.usage = snap.usage;
@@ -1497,9 +1698,11 @@ async function boot() {
   const listed = loadConversations().catch((err) => {
     if (!blocked) notice(`Could not load your conversations. ${err.message}`);
   });
+  const agentsListed = loadAgents();
   const wanted = params.get("chat");
   if (wanted) await selectChat(wanted);
   await listed;
+  await agentsListed;
   scheduleRender();
   $("app").dataset.ready = "true";
 }
