@@ -223,7 +223,7 @@ function applyEvent(f) {
       endStream(m);
       break;
     case "tool_call": {
-      const call = { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: String(d.name ?? "tool"), args: d.args, result: undefined };
+      const call = { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: String(d.name ?? "tool"), args: d.args, result: undefined, awaiting: d.awaiting === true };
       insertItem(m, call, f);
       if (call.callId != null) m.calls.set(call.callId, call);
       break;
@@ -1122,8 +1122,10 @@ function toolNode(m, it) {
     m.nodes.set(it.key, node);
   }
   const has = it.result !== undefined;
-  // Still running while its turn runs; a turn that ended without a result left it unanswered.
-  const status = has ? "done" : m.status === "running" && m.turnId === it.node ? "running…" : "no result";
+  // Still running while its turn runs; a turn that ended without a result left it unanswered
+  // (a client tool's call waits for a person's answer).
+  const status = has ? "done" : it.awaiting ? "waiting for an answer"
+    : m.status === "running" && m.turnId === it.node ? "running…" : "no result";
   node.dataset.state = has ? "done" : status === "no result" ? "none" : "running";
   const statusNode = node.querySelector(".tool-status");
   if (statusNode.textContent !== status) statusNode.textContent = status;
