@@ -239,6 +239,7 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     state: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     # Client tool calls awaiting a person's answer: {call_id: tool name}; omitted: none.
     awaiting: dict[str, str] | msgspec.UnsetType = msgspec.UNSET
+    agent: str | msgspec.UnsetType = msgspec.UNSET  # the agent that answers it
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):

@@ -719,6 +719,7 @@ def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None =
         children=children or msgspec.UNSET,
         state=state,
         awaiting=msgspec.json.decode(meta.awaiting) if meta.awaiting else msgspec.UNSET,
+        agent=meta.agent,
     )
 
 

@@ -99,7 +99,8 @@ async def test_a_creating_subscribe_names_the_agent(gateway: Any, redis_url: str
     async with agent_worker(redis_url, answering(agent), "agents", name=agent), \
             connect(gateway.url(user)) as ws:
         await ws.send({"type": "subscribe", "chat_id": chat_id, "agent": agent})
-        await ws.wait_for(lambda f: f.get("type") == "subscribed")
+        subscribed = await ws.wait_for(lambda f: f.get("type") == "subscribed")
+        assert subscribed["snapshot"]["agent"] == agent
         await send_message(ws, chat_id, "hello")
         frames = await until_turn_end(ws, chat_id)
     assert [f["data"]["text"] for f in frames if f["type"] == "message"] == [f"{agent} here"]
