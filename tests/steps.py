@@ -215,3 +215,24 @@ async def exchange(ws: Client, gw: Any, chat_id: str, text: str) -> tuple[str, s
     await end_turn(gw, chat_id)
     await ws.wait_for(lambda f: f.get("type") == "turn_end")
     return ack["msg_id"], ack["turn_id"]
+
+
+# --- client tools -----------------------------------------------------------------------
+
+APPROVE = {"name": "approve_payment", "description": "Ask to approve a payment",
+           "parameters": {"type": "object", "required": ["amount"],
+                          "properties": {"amount": {"type": "number"}}},
+           "result": {"type": "object", "required": ["approved"],
+                      "properties": {"approved": {"type": "boolean"}}}}
+"""A client tool: the agent asks a person to approve a payment."""
+
+
+async def declare_tools(gw: Any, user: str, chat_id: str,
+                        *tools: dict[str, Any]) -> httpx.Response:
+    """``PATCH`` the conversation's client tools (creating it first when it is new);
+    returns the response whatever its status."""
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        await http.post("/v1/conversations", json={"chat_id": chat_id},
+                        headers=gw.headers(user))
+        return await http.patch(f"/v1/conversations/{chat_id}",
+                                json={"client_tools": list(tools)}, headers=gw.headers(user))

@@ -18,15 +18,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import pytest
 
 from gateway.sdk.agent import AgentWorker, Turn
 from gateway.sdk.drivers.ag_ui import AgUiAgent
 
-from .agui_server import serving
+from .agui_server import Recorder, serving
 from .conftest import free_port
-from .steps import history, op, send_message
+from .steps import APPROVE, declare_tools, history, op, send_message
 from .test_agent import ROOT, agent_process, agent_worker, of_type, until_turn_end
 from .wsclient import Client, Frame, connect
 
@@ -54,6 +53,18 @@ async def driven(redis_url: str, group: str, agent: AgUiAgent,
                  **options: Any) -> AsyncIterator[AgentWorker]:
     async with agent_worker(redis_url, agent, group, **options) as worker:
         yield worker
+
+
+@asynccontextmanager
+async def chatting(gateway: Any, redis_url: str, group: str, user: str, chat_id: str,
+                   route: str = "/agent") -> AsyncIterator[tuple[Client, Recorder]]:
+    """The test agent served, a worker driving it, and a client subscribed to ``chat_id``:
+    yields the client and what the agent was sent."""
+    async with serving() as (base, agent), \
+            driven(redis_url, group, AgUiAgent(f"{base}{route}")), \
+            connect(gateway.url(user)) as ws:
+        await ws.subscribe(chat_id)
+        yield ws, agent
 
 
 async def turn_frames(ws: Client, chat_id: str, text: str, within: float = 10.0,
@@ -99,10 +110,7 @@ async def agent_server_process() -> AsyncIterator[tuple[asyncio.subprocess.Proce
 async def test_text_and_a_tool_call_then_a_turn_that_sees_them(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
-    async with serving() as (base, agent), \
-            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    async with chatting(gateway, redis_url, group, user, chat_id) as (ws, agent):
         first = await turn_frames(ws, chat_id, "tool please",
                                   data={"props": {"units": "metric"}})
         second = await turn_frames(ws, chat_id, "and now?")
@@ -153,10 +161,7 @@ async def test_text_and_a_tool_call_then_a_turn_that_sees_them(
 async def test_reasoning_steps_custom_events_and_chunks(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
-    async with serving() as (base, _), \
-            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    async with chatting(gateway, redis_url, group, user, chat_id) as (ws, _):
         frames = await turn_frames(ws, chat_id, "everything")
 
     def sid(n: int) -> str:
@@ -189,10 +194,7 @@ async def test_legacy_thinking_events_are_reasoning(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
     """An agent on AG-UI 0.1.10 sends THINKING_* (no message ids): read as REASONING_*."""
-    async with serving() as (base, _), \
-            driven(redis_url, group, AgUiAgent(f"{base}/legacy")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    async with chatting(gateway, redis_url, group, user, chat_id, "/legacy") as (ws, _):
         frames = await turn_frames(ws, chat_id, "think")
     assert [(t, d.get("text")) for t, d in outcome(frames)] == [
         ("reasoning", "Let me think hard."), ("message", "Thought."), ("turn_end", None)]
@@ -201,10 +203,7 @@ async def test_legacy_thinking_events_are_reasoning(
 async def test_state_is_kept_hydrated_and_given_to_the_next_run(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
-    async with serving() as (base, agent), \
-            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    async with chatting(gateway, redis_url, group, user, chat_id) as (ws, agent):
         first = await turn_frames(ws, chat_id, "state")
         async with connect(gateway.url(user)) as other:  # a new device
             hydrated = (await other.subscribe(chat_id))["snapshot"]["state"]
@@ -226,10 +225,7 @@ async def test_state_is_kept_hydrated_and_given_to_the_next_run(
 async def test_run_error_ends_the_turn_with_the_agents_message(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
-    async with serving() as (base, _), \
-            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    async with chatting(gateway, redis_url, group, user, chat_id) as (ws, _):
         frames = await turn_frames(ws, chat_id, "fail")
     end = frames[-1]["data"]
     assert (end["reason"], end["error"]) == ("error", "the model is out of coffee")
@@ -242,10 +238,7 @@ async def test_run_error_ends_the_turn_with_the_agents_message(
 async def test_a_retry_and_an_edit_see_the_right_path(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
-    async with serving() as (base, agent), \
-            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    async with chatting(gateway, redis_url, group, user, chat_id) as (ws, agent):
         first = await turn_frames(ws, chat_id, "first")
         second = await turn_frames(ws, chat_id, "second")
         retried, _ = await op(ws, chat_id, "retry")
@@ -271,10 +264,7 @@ async def test_a_retry_and_an_edit_see_the_right_path(
 async def test_stop_mid_answer_closes_the_request_and_keeps_the_partial(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
-    async with serving() as (base, agent), \
-            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    async with chatting(gateway, redis_url, group, user, chat_id) as (ws, agent):
         await send_message(ws, chat_id, "slow 1000")  # 10 s of words
         frames = [await ws.wait_for(lambda f: f["type"] == "delta")]
         await ws.send({"type": "cancel", "chat_id": chat_id})
@@ -461,10 +451,7 @@ async def test_a_worker_killed_mid_run_is_replaced_without_showing_the_partial_t
 async def test_a_second_device_resumes_mid_answer(
     gateway: Any, redis_url: str, group: str, user: str, chat_id: str
 ) -> None:
-    async with serving() as (base, _), \
-            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    async with chatting(gateway, redis_url, group, user, chat_id) as (ws, _):
         await send_message(ws, chat_id, "slow 150")
         await ws.wait_for(lambda f: f["type"] == "delta" and "w5 " in f["data"]["text"])
         async with connect(gateway.url(user)) as phone:
@@ -486,19 +473,10 @@ async def test_a_client_tool_asks_the_person_and_the_answer_goes_back_to_the_age
     """The conversation's client tools reach the agent as ``RunAgentInput.tools``; its
     call of one asks the person, and the answer starts a run whose messages end with the
     call and its result, so the agent goes on."""
-    approve = {"name": "approve_payment", "description": "Ask to approve a payment",
-               "parameters": {"type": "object", "properties": {"amount": {"type": "number"}}},
-               "result": {"type": "object", "properties": {"approved": {"type": "boolean"}}}}
-    async with httpx.AsyncClient(base_url=gateway.http) as http:
-        await http.post("/v1/conversations", json={"chat_id": chat_id},
-                        headers=gateway.headers(user))
-        resp = await http.patch(f"/v1/conversations/{chat_id}", json={"client_tools": [approve]},
-                                headers=gateway.headers(user))
-        assert resp.status_code == 200, resp.text
-    async with serving() as (base, agent), \
-            driven(redis_url, group, AgUiAgent(f"{base}/agent")), \
-            connect(gateway.url(user)) as ws:
-        await ws.subscribe(chat_id)
+    approve = APPROVE
+    resp = await declare_tools(gateway, user, chat_id, approve)
+    assert resp.status_code == 200, resp.text
+    async with chatting(gateway, redis_url, group, user, chat_id) as (ws, agent):
         asked = await turn_frames(ws, chat_id, "ask")
         assert asked[-1]["data"]["reason"] == "awaiting_input", asked[-1]
         call = of_type(asked, "tool_call")[0]["data"]

@@ -16,24 +16,12 @@ import pytest
 from gateway.errors import Rejected
 from gateway.sdk.agent import Turn
 
-from .steps import create, history, send_message
+from .steps import APPROVE, create, history, send_message
+from .steps import declare_tools as declare
 from .test_agent import agent_worker, until_turn_end
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
-
-APPROVE = {"name": "approve_payment", "description": "Ask the person to approve a payment",
-           "parameters": {"type": "object", "required": ["amount"],
-                          "properties": {"amount": {"type": "number"}}},
-           "result": {"type": "object", "required": ["approved"],
-                      "properties": {"approved": {"type": "boolean"}}}}
-
-
-async def declare(gw: Any, user: str, chat_id: str, *tools: dict[str, Any]) -> httpx.Response:
-    async with httpx.AsyncClient(base_url=gw.http) as http:
-        return await http.patch(f"/v1/conversations/{chat_id}",
-                                json={"client_tools": list(tools)}, headers=gw.headers(user))
-
 
 def asking_handler(seen: list[list[dict[str, Any]]]) -> Any:
     """Asks for approval on a message; on the turn the answer starts, says what it got."""
@@ -90,8 +78,10 @@ async def test_any_device_answers_and_exactly_one_answer_wins(
         assert end["data"]["reason"] == "complete"
     stored = await history(gateway, user, chat_id, view="active")
     results = [e for e in stored if e["type"] == "tool_result"]
-    assert [e["data"] for e in results] == [{"call_id": call_id, "result": {"approved": won},
-                                             "by": user}]
+    winner = next(r for r in replies if r["type"] == "ack")
+    assert [e["data"] for e in results] == [{
+        "call_id": call_id, "result": {"approved": won}, "by": user,
+        "msg_id": winner["msg_id"], "parent_id": call["node"]}]  # a node under the turn
     assert [e["data"]["text"] for e in stored if e["type"] == "message"] == [
         "paid" if won else "not paid"]
     # The new turn's history ends with the question and its answer.

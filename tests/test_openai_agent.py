@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import pytest
 import uvicorn
 from openai.types.chat import ChatCompletionChunk
@@ -40,7 +39,7 @@ from gateway.sdk.drivers.openai import (
 )
 
 from .conftest import free_port
-from .steps import op, read, send_message
+from .steps import APPROVE, declare_tools, op, read, send_message
 from .test_agent import agent_worker, of_type, until_turn_end
 from .wsclient import Client, Frame, connect
 
@@ -391,15 +390,9 @@ async def test_a_client_tool_call_asks_the_person_and_the_answer_goes_back_to_th
     """The conversation's client tools reach the model as ``tools``; its call of one asks
     the person (the turn ends awaiting_input), and the answer starts a turn whose request
     ends with the call and its result."""
-    approve = {"name": "approve_payment", "description": "Ask to approve a payment",
-               "parameters": {"type": "object", "properties": {"amount": {"type": "number"}}},
-               "result": {"type": "object", "properties": {"approved": {"type": "boolean"}}}}
-    async with httpx.AsyncClient(base_url=gateway.http) as http:
-        await http.post("/v1/conversations", json={"chat_id": chat_id},
-                        headers=gateway.headers(user))
-        resp = await http.patch(f"/v1/conversations/{chat_id}", json={"client_tools": [approve]},
-                                headers=gateway.headers(user))
-        assert resp.status_code == 200, resp.text
+    approve = APPROVE
+    resp = await declare_tools(gateway, user, chat_id, approve)
+    assert resp.status_code == 200, resp.text
     async with model_server() as model:
         model.plans = [Plan(text=["Let me ask."],
                             calls=[("call_p", "approve_payment", ['{"amount": 4', '2.5}'])]),
