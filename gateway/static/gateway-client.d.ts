@@ -101,6 +101,11 @@ export interface Snapshot {
   children?: ChildSummary[];
   /** The agent's state (the last `state` event's snapshot: any JSON); omitted when none. */
   state?: unknown;
+  /**
+   * The client tool calls that wait for a person's answer, {call_id: tool name}; omitted
+   * when none does (GatewayClient.awaiting() keeps it live).
+   */
+  awaiting?: Record<string, string>;
 }
 
 export interface SubscribedFrame {
@@ -131,7 +136,8 @@ export interface AckFrame {
   duplicate: boolean;
   /** A message's or tree operation's: the conversation's head after it (null for none). */
   head?: string | null;
-  /** The user message a message or an edit added, or the one an undo took back. */
+  /** The user message a message or an edit added, the one an undo took back, or a
+   * person's answer to a client tool (tool_result). */
   msg_id?: string;
   /** undo: the text of the message taken back (put it back in the composer). */
   text?: string;
@@ -143,7 +149,7 @@ export type ErrorCode =
   | "malformed" | "unknown_type" | "invalid_frame" | "forbidden" | "not_found"
   | "text_too_long" | "too_many_subscriptions" | "turn_in_progress" | "no_active_turn"
   | "turn_mismatch" | "conflict" | "not_on_path" | "nothing_to_retry" | "nothing_to_undo"
-  | "rate_limited" | "replication_timeout" | (string & {});
+  | "rate_limited" | "replication_timeout" | "invalid_request" | (string & {});
 
 export interface ErrorFrame {
   type: "error";
@@ -200,14 +206,15 @@ export type TurnStartEvent = EventFrame<"turn_start", {
 /** Every move of the conversation's head. */
 export type HeadMovedEvent = EventFrame<"head", {
   head_id: string | null; prev_head_id: string | null;
-  cause: "message" | "retry" | "edit" | "undo" | "switch"; by: string;
+  cause: "message" | "retry" | "edit" | "undo" | "switch" | "answer"; by: string;
 }>;
 export type CancelRequestedEvent = EventFrame<"cancel_requested", { turn_id: string }>;
 export type TurnEndEvent = EventFrame<"turn_end", {
   turn_id: string;
   latency_ms: number;
   goal_state: GoalState | null;
-  reason: "complete" | "cancelled" | "error" | "timeout";
+  /** awaiting_input: the agent asked a person (a client tool) and waits for the answer. */
+  reason: "complete" | "cancelled" | "error" | "timeout" | "awaiting_input";
   usage: Record<string, unknown> | null;
   /** With reason "error" (or a timeout with no worker): what went wrong, in words. */
   error?: string;
@@ -217,10 +224,22 @@ export type TitleEvent = EventFrame<"title", { title: string; previous: string |
 export type DeletedEvent = EventFrame<"deleted", { epoch: string; last_seq: number }>;
 /** A sub-conversation was opened (conversation-level: no `node`). */
 export type ChildEvent = EventFrame<"child", { chat_id: string; title: string | null }>;
-/** The agent called a tool: `args` as JSON once complete (else the text it sent). */
-export type ToolCallEvent = EventFrame<"tool_call", { call_id: string; name: string; args: unknown }>;
-/** What the tool call `call_id` returned. */
-export type ToolResultEvent = EventFrame<"tool_result", { call_id: string; result: unknown }>;
+/**
+ * The agent called a tool: `args` as JSON once complete (else the text it sent). `awaiting`:
+ * a client tool, asking a person (answer it with GatewayClient.answer()).
+ */
+export type ToolCallEvent = EventFrame<"tool_call", {
+  call_id: string; name: string; args: unknown; awaiting?: boolean;
+}>;
+/**
+ * What the tool call `call_id` returned. A person's answer to a client tool is a node of the
+ * tree (`msg_id`, under the turn `parent_id` that asked) and says who answered (`by`).
+ */
+export type ToolResultEvent = EventFrame<"tool_result", {
+  call_id: string; result: unknown; by?: string; msg_id?: string; parent_id?: string;
+}>;
+/** The conversation's client tools were declared (the whole list; conversation-level). */
+export type ClientToolsEvent = EventFrame<"client_tools", { tools: ClientTool[] }>;
 /** Ephemeral (seq null): a step of the agent's run started or finished ("searching…"). */
 export type StepEvent = EventFrame<"step", { name: string; status: "started" | "finished" }>;
 /** The agent's whole state after a change (conversation-level: no `node`). */
@@ -269,6 +288,20 @@ export interface Conversation {
   parent: string | null;
   /** The agent that answers it. */
   agent: string;
+  /** The tools its agent may call to ask a person (`PATCH` declares them). */
+  client_tools?: ClientTool[];
+  /** The client tool calls that wait for a person's answer: {call_id: tool name}. */
+  awaiting?: Record<string, string>;
+}
+
+/** A client tool: what the agent passes, and (optionally) what a person answers, as JSON Schemas. */
+export interface ClientTool {
+  name: string;
+  description?: string;
+  /** The JSON Schema (2020-12) of the arguments. */
+  parameters: Record<string, unknown>;
+  /** The JSON Schema of the answer; null or absent: any answer. */
+  result?: Record<string, unknown> | null;
 }
 
 /** An agent with a live worker now (`GET /v1/agents`). */
@@ -694,6 +727,20 @@ export declare class GatewayClient {
   /** The ack's `text` is the message taken back. */
   undo(chatId: string, options?: TreeOpOptions): Promise<AckFrame>;
   switch(chatId: string, nodeId: string, options?: TreeOpOptions): Promise<AckFrame>;
+
+  /**
+   * A person's answer to a client tool call that waits for one: resolves with the ack (the
+   * new turn's `turn_id`, `head`, the answer's `msg_id`). Rejects with a GatewayError:
+   * "conflict" (another answer won, or the question was left unanswered), "invalid_request"
+   * (it does not fit the tool's `result` schema), "disconnected" (written, then the
+   * connection dropped: it is not sent again), "not_found", "forbidden".
+   */
+  answer(chatId: string, callId: string, result: unknown): Promise<AckFrame>;
+  /**
+   * The chat's client tool calls waiting for a person's answer, {call_id: tool name}, from
+   * the last snapshot and live since; null until a snapshot told.
+   */
+  awaiting(chatId: string): Record<string, string> | null;
 }
 
 export default GatewayClient;

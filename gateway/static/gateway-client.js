@@ -31,7 +31,9 @@
 // - keeps each chat's conversation tree (ConversationTree: nodes, head, active path,
 //   siblings) from the events, tells the app with a `head` event when the head moves, and
 //   sends the tree operations retry/edit/undo/switch with the head it knows as
-//   `expected_head` (two devices racing: one gets a clean `conflict`).
+//   `expected_head` (two devices racing: one gets a clean `conflict`);
+// - keeps each chat's client tool calls that wait for a person (awaiting()), and sends a
+//   person's answer (answer(): the first answer wins, the others get `conflict`).
 //
 // The public types live in gateway-client.d.ts; the JSDoc below uses them, and
 // tests/js (tsc) checks this file against them and the .d.ts against this file.
@@ -67,9 +69,12 @@
  * @property {boolean} create subscribe with `create: false` when false
  * @property {string | null} agent the agent a creating subscribe names (null: the default)
  * @property {boolean} running a turn runs (tokens are expected)
+ * @property {Record<string, string> | null} awaiting client tool calls waiting for a person's
+ *   answer, {call_id: tool name} (null until a snapshot told)
+ * @property {number} awaitingSeq the seq `awaiting` is known at: older news never changes it
  */
 
-/** @typedef {"message" | "cancel" | "retry" | "edit" | "undo" | "switch"} OutboxKind */
+/** @typedef {"message" | "cancel" | "retry" | "edit" | "undo" | "switch" | "tool_result"} OutboxKind */
 
 /**
  * A queued message, cancel or tree operation (see _enqueue).
@@ -124,9 +129,12 @@ const BUSY_CLOSE_CODES = new Set([4029, 1013]);
 const REPLY_TYPES = new Set(["hello", "subscribed", "unsubscribed", "left", "ack", "pong",
   "error", "conversation"]);
 /** Requests whose ack carries the conversation's new head. */
-const HEAD_ACKS = new Set(["message", "retry", "edit", "undo", "switch"]);
-/** Tree operations: not idempotent, so never written twice (see _connectionLost). */
-const TREE_OPS = new Set(["retry", "edit", "undo", "switch"]);
+const HEAD_ACKS = new Set(["message", "retry", "edit", "undo", "switch", "tool_result"]);
+/**
+ * Tree operations and a person's answer to a client tool: not idempotent, so never written
+ * twice (see _connectionLost).
+ */
+const TREE_OPS = new Set(["retry", "edit", "undo", "switch", "tool_result"]);
 
 /**
  * An error reported by the gateway (an `error` frame, or an HTTP error reply), or by the
@@ -919,7 +927,8 @@ export class GatewayClient {
         // Not idempotent: it may or may not have been applied. Sending it again could apply
         // it twice; the app decides (the head events tell what happened).
         this._settle(entry);
-        entry.reject(new GatewayError("disconnected", `the connection was lost: the ${entry.kind} may or may not have been applied`));
+        const what = entry.kind === "tool_result" ? "answer" : entry.kind;
+        entry.reject(new GatewayError("disconnected", `the connection was lost: the ${what} may or may not have been applied`));
         continue;
       }
       entry.reqId = null;
@@ -1183,6 +1192,8 @@ export class GatewayClient {
         create: true, // false: subscribe with `create: false` (a link must not create)
         agent: null, // the agent a creating subscribe names (null: the gateway's default)
         running: false, // a turn runs: tokens are expected (the heartbeat listens closer)
+        awaiting: null, // {call_id: tool name}: client tool calls waiting for a person
+        awaitingSeq: -1, // the seq `awaiting` is known at
       };
       this._chats.set(chatId, chat);
     }
@@ -1353,6 +1364,11 @@ export class GatewayClient {
     chat.subMode = null;
     chat.snapshot = frame.snapshot ?? null;
     chat.running = frame.snapshot?.status === "running";
+    if (frame.snapshot) {
+      // The calls waiting for an answer as of the reply's seq (the replay brings older news).
+      chat.awaiting = { ...(frame.snapshot.awaiting ?? {}) };
+      chat.awaitingSeq = frame.seq;
+    }
     if (frame.recovered === false || (chat.epoch != null && chat.epoch !== frame.epoch)) {
       // The tree goes with the history: the app reloads both (loadHistory()).
       chat.tree.reset();
@@ -1540,6 +1556,55 @@ export class GatewayClient {
     return this._treeOp("switch", chatId, options, { node_id: nodeId });
   }
 
+  // --- client tools: the agent asks a person ------------------------------------------
+
+  /**
+   * A person's answer to the client tool call `callId` that waits for one (see awaiting()):
+   * resolves with the `ack` (the new turn's `turn_id`, the new `head`, the answer's
+   * `msg_id`). Queued like a message while disconnected; one written when the connection
+   * dropped is not sent again (code "disconnected"). Rejects with a GatewayError: "conflict"
+   * (another answer won, or the question was left unanswered: the winning `tool_result`
+   * comes as an event), "invalid_request" (it does not fit the tool's `result` schema; the
+   * message says where), "not_found", "forbidden".
+   * @param {string} chatId
+   * @param {string} callId
+   * @param {unknown} result
+   * @returns {Promise<AckFrame>}
+   */
+  answer(chatId, callId, result) {
+    /** @type {OutboxEntry["frame"]} */
+    const frame = { type: "tool_result", chat_id: chatId, call_id: callId, result };
+    this._chat(chatId); // kept for the ack's head, even if never subscribed
+    return /** @type {Promise<AckFrame>} */ (this._enqueue("tool_result", frame));
+  }
+
+  /**
+   * The chat's client tool calls that wait for a person's answer, {call_id: tool name}:
+   * from the last `subscribed` snapshot (`snapshot.awaiting`), then live (a `tool_call` with
+   * `awaiting: true` adds one; any move of the head, an answer's included, ends them all).
+   * Null until a snapshot told.
+   * @param {string} chatId
+   * @returns {Record<string, string> | null}
+   */
+  awaiting(chatId) {
+    const awaiting = this._chats.get(chatId)?.awaiting;
+    return awaiting ? { ...awaiting } : null;
+  }
+
+  /**
+   * @param {ChatState} chat
+   * @param {EventFrame} frame a durable event, in order
+   */
+  _trackAwaiting(chat, frame) {
+    if (!chat.awaiting || typeof frame.seq !== "number" || frame.seq <= chat.awaitingSeq) return;
+    const data = frame.data;
+    if (frame.type === "head") chat.awaiting = {};
+    else if (frame.type === "tool_call" && data?.awaiting === true && typeof data.call_id === "string") {
+      chat.awaiting[data.call_id] = typeof data.name === "string" ? data.name : "";
+    } else return;
+    chat.awaitingSeq = frame.seq;
+  }
+
   /**
    * @param {"retry" | "edit" | "undo" | "switch"} kind
    * @param {string} chatId
@@ -1677,6 +1742,11 @@ export class GatewayClient {
         // get live. A live one gets the `head` event, after the events that made its node:
         // the tree never points at a node whose events are still on their way.
         const moved = chat.tree.setHead(frame.head ?? null, frame.seq);
+        if (moved && chat.awaiting && frame.seq > chat.awaitingSeq) {
+          // Every move of the path leaves the questions before it unanswered (or answered).
+          chat.awaiting = {};
+          chat.awaitingSeq = frame.seq;
+        }
         if (moved) this._emit("head", { chatId: chat.id, ...moved });
       }
       req.entry.resolve(frame);
@@ -1784,6 +1854,7 @@ export class GatewayClient {
     chat.seq = frame.seq;
     if (frame.type === "turn_start") chat.running = true;
     else if (frame.type === "turn_end") chat.running = false;
+    this._trackAwaiting(chat, frame);
     const moved = chat.tree.apply(frame);
     const committed = frame.data?.stream_id;
     if (typeof committed === "string" && chat.streams.delete(committed)) {
