@@ -6,7 +6,9 @@
 // message, undo (the text back in the composer) and "‹ 2/3 ›" at every fork, every move
 // followed live by every tab. An agent's tool calls are rows that open on their arguments
 // and result, a step it runs is a "searching…" line under the answer, and its state a panel
-// under the header. "New chat" offers the live agents (GET /v1/agents) when there are
+// under the header. A client tool it calls to ask the person is a prompt on every device (its
+// arguments, and a form built from the tool's `result` schema); the first answer wins
+// everywhere. "New chat" offers the live agents (GET /v1/agents) when there are
 // several; the header names the conversation's. Everything it knows comes from the gateway:
 // GET /v1/conversations, GET .../events (the active path and its forks), and the WebSocket
 // through gateway-client.js (which keeps each chat's tree).
@@ -130,6 +132,10 @@ function model(chatId) {
       state: null, // the agent's state (snapshot.state, `state` events); null: none
       stateSeq: -1,
       calls: new Map(), // call_id -> the tool call's item (its result goes on it)
+      tools: new Map(), // name -> the conversation's client tool {name, description, parameters, result}
+      toolsSeq: -1, // the seq `tools` is known at
+      awaitingHttp: null, // {call_id: name} from GET /v1/conversations/{id}, until a snapshot tells
+      answers: new Map(), // call_id -> {state, error}: an answer given on this page
       steps: new Map(), // step name -> started: the steps the agent runs now (ephemeral)
       error: null,
       lastSubscribe: null, // {mode, buffered, overflowed, replayed, recovered} of the last `subscribed`
@@ -166,6 +172,25 @@ function setGoal(m, goal, seq) {
   if (seq != null && seq < m.goalSeq) return;
   m.goal = goal ?? null;
   if (seq != null) m.goalSeq = seq;
+}
+
+/** The conversation's client tools, as of `seq` (a `client_tools` event's, or a GET's). */
+function setTools(m, tools, seq) {
+  if (!Array.isArray(tools) || (seq != null && seq < m.toolsSeq)) return;
+  m.tools = new Map(tools.filter((t) => t && typeof t.name === "string").map((t) => [t.name, t]));
+  if (seq != null) m.toolsSeq = seq;
+}
+
+/**
+ * The client tools and the questions waiting for an answer (GET /v1/conversations/{id}): the
+ * prompts can be built before the first `client_tools` event, even when history was trimmed.
+ */
+function loadClientTools(m) {
+  api("GET", `/v1/conversations/${encodeURIComponent(m.chatId)}`).then((c) => {
+    setTools(m, c.client_tools ?? [], c.last_seq);
+    m.awaitingHttp = c.awaiting ?? {};
+    if (m.chatId === active) scheduleRender();
+  }, () => {}); // not fatal: the history's client_tools events and the snapshot tell it too
 }
 
 /** The agent's state, as of `seq` (a `state` event's, or a snapshot's): null for none. */
@@ -222,6 +247,9 @@ function applyEvent(f) {
       }, f);
       endStream(m);
       break;
+    case "client_tools":
+      setTools(m, d.tools, f.seq);
+      break;
     case "tool_call": {
       const call = { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: String(d.name ?? "tool"), args: d.args, result: undefined, awaiting: d.awaiting === true };
       insertItem(m, call, f);
@@ -232,7 +260,8 @@ function applyEvent(f) {
       // On its call's row; a result whose call this page does not hold gets a row of its own.
       const call = m.calls.get(d.call_id);
       if (call) call.result = d.result;
-      else insertItem(m, { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: null, args: undefined, result: d.result }, f);
+      if (call && d.msg_id) announceAnswer(m, call);
+      if (!call) insertItem(m, { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: null, args: undefined, result: d.result }, f);
       break;
     }
     case "step": { // ephemeral: "searching…" while it runs
@@ -337,6 +366,7 @@ function upsertConversation(c) {
   });
   const m = models.get(c.chat_id);
   if (m) setGoal(m, c.goal_state ?? null, seq);
+  if (m && Array.isArray(c.client_tools)) setTools(m, c.client_tools, seq);
 }
 
 /** A conversation is gone (deleted here, on another device, or through the API). */
@@ -561,6 +591,7 @@ async function openChat(m) {
     m.since = since;
   }
   if (active !== m.chatId) return;
+  loadClientTools(m);
   m.since = null; // used once: later subscribes resume from the client's own position
   // create: false: opening a conversation never creates one (a link to a deleted chat).
   client.subscribe(m.chatId, since ? { since, create: false } : { create: false }).catch((err) => {
@@ -1071,7 +1102,7 @@ function author(kind) {
 }
 
 function itemNode(m, it) {
-  if (it.kind === "tool") return toolNode(m, it); // its status and result change
+  if (it.kind === "tool") return it.awaiting ? promptNode(m, it) : toolNode(m, it); // they change
   let node = m.nodes.get(it.key);
   if (node) return node;
   if (it.kind === "user" || it.kind === "assistant") {
@@ -1091,7 +1122,7 @@ function itemNode(m, it) {
       title: "turn latency, measured by the gateway",
     },
     failed ? h("span", { class: "failure", "data-testid": "turn-failure", text: failed }) : null,
-    h("span", { class: "latency", text: `${it.reason === "complete" ? "replied in" : failed ? "after" : "ended after"} ${formatLatency(it.latency)}` }),
+    h("span", { class: "latency", text: `${it.reason === "complete" ? "replied in" : it.reason === "awaiting_input" ? "asked you after" : failed ? "after" : "ended after"} ${formatLatency(it.latency)}` }),
     failed ? null : h("span", { class: "reason", text: it.reason }));
   } else {
     node = h("div", { class: "note", "data-testid": "note", "data-seq": it.seq, text: it.text });
@@ -1133,6 +1164,332 @@ function toolNode(m, it) {
   const text = has ? pretty(it.result) : status === "no result" ? "(none)" : "(not yet)";
   if (result.textContent !== text) result.textContent = text;
   return node;
+}
+
+// --- client tools: the agent asks the person --------------------------------------------
+
+/** A JSON Schema's type, when it names one ("integer" and "number" alike are numbers). */
+function schemaType(schema) {
+  if (!schema || typeof schema !== "object") return null;
+  let type = schema.type;
+  if (Array.isArray(type)) type = type.find((t) => t !== "null") ?? null;
+  if (!type && Array.isArray(schema.enum)) type = "enum";
+  if (!type && schema.properties) type = "object";
+  return typeof type === "string" ? type : null;
+}
+
+/** "tip_percent" -> "Tip percent": a property's name in words (its schema's title first). */
+function words(name, schema) {
+  if (typeof schema?.title === "string" && schema.title.trim()) return schema.title.trim();
+  const text = String(name).replace(/[_-]+/g, " ").replace(/([a-z])([A-Z])/g, "$1 $2").trim().toLowerCase();
+  return text ? text[0].toUpperCase() + text.slice(1) : String(name);
+}
+
+/** The two answers of a yes-or-no property: Approve and Reject for an approval. */
+function yesNo(name) {
+  return /^(approved?|accept(ed)?|allow(ed)?|confirm(ed)?|ok)$/i.test(name) ? ["Approve", "Reject"] : ["Yes", "No"];
+}
+
+/**
+ * How a person answers a client tool, from its `result` JSON Schema:
+ * - none (any answer): a text box, whose text is the answer;
+ * - an object: a field per property (a string enum is a choice, a string a text box, a
+ *   number a number box, another boolean a checkbox, anything else JSON), and its first
+ *   boolean property (`approved`) is the pair of buttons that send it (Approve, Reject);
+ * - a boolean: the pair of buttons; a string, a number, an enum: one field.
+ */
+function answerShape(schema) {
+  const type = schemaType(schema);
+  if (type === "object") {
+    const props = Object.entries(schema.properties ?? {});
+    const required = new Set(Array.isArray(schema.required) ? schema.required : []);
+    const decide = props.find(([, s]) => schemaType(s) === "boolean")?.[0] ?? null;
+    const fields = props.filter(([name]) => name !== decide)
+      .map(([name, s]) => ({ name, schema: s, kind: fieldKind(s), required: required.has(name) }));
+    if (!props.length) fields.push({ name: null, schema: {}, kind: "json", required: true });
+    return { kind: "object", decide, fields };
+  }
+  if (type === "boolean") return { kind: "boolean", decide: "answer", fields: [] };
+  if (!type) return { kind: "value", decide: null, fields: [{ name: null, schema: schema ?? {}, kind: schema ? "json" : "text", required: true }] };
+  return { kind: "value", decide: null, fields: [{ name: null, schema, kind: fieldKind(schema), required: true }] };
+}
+
+function fieldKind(schema) {
+  const type = schemaType(schema);
+  if (Array.isArray(schema?.enum) && schema.enum.length && schema.enum.every((v) => typeof v === "string" || typeof v === "number")) return "choice";
+  if (type === "string") return "text";
+  if (type === "number" || type === "integer") return "number";
+  if (type === "boolean") return "check";
+  return "json";
+}
+
+let fieldIds = 0;
+
+/** A labelled control for one field of an answer; `read()` gives its value (undefined: none). */
+function answerField(field, what) {
+  const id = `answer-${++fieldIds}`;
+  const schema = field.schema ?? {};
+  const label = field.name == null ? what : words(field.name, schema);
+  const help = typeof schema.description === "string" && schema.description.trim() ? schema.description.trim() : null;
+  const helpId = help ? `${id}-help` : null;
+  const common = { id, "data-testid": "answer-field", "data-field": field.name ?? "", "aria-describedby": helpId };
+  let control;
+  let read;
+  if (field.kind === "choice") {
+    control = h("select", { ...common, class: "answer-input" },
+      h("option", { value: "", text: "Choose…" }),
+      ...schema.enum.map((v, i) => h("option", { value: String(i), text: String(v) })));
+    read = () => (control.value === "" ? undefined : schema.enum[Number(control.value)]);
+  } else if (field.kind === "number") {
+    control = h("input", { ...common, class: "answer-input", type: "number", inputmode: "decimal",
+      step: schemaType(schema) === "integer" ? "1" : "any", min: schema.minimum, max: schema.maximum });
+    read = () => (control.value.trim() === "" ? undefined : Number(control.value));
+  } else if (field.kind === "check") {
+    control = h("input", { ...common, class: "answer-check", type: "checkbox" });
+    read = () => control.checked;
+  } else if (field.kind === "text" && field.name != null) {
+    control = h("input", { ...common, class: "answer-input", type: "text", maxlength: schema.maxLength });
+    read = () => (control.value === "" ? undefined : control.value);
+  } else {
+    // A free answer (no schema: its text is the answer), or JSON for what has no form.
+    const json = field.kind === "json";
+    control = h("textarea", { ...common, class: "answer-input", rows: json ? 3 : 2,
+      placeholder: json ? "JSON, or plain text" : null });
+    read = () => {
+      const text = control.value;
+      if (!json) return text.trim() === "" ? undefined : text;
+      if (text.trim() === "") return undefined;
+      try { return JSON.parse(text); } catch { return text; }
+    };
+  }
+  if (field.required) control.setAttribute("aria-required", "true");
+  const row = h("div", { class: `answer-row ${field.kind}` },
+    h("label", { for: id, text: label }), control,
+    help ? h("span", { id: helpId, class: "answer-help", text: help }) : null);
+  if (field.kind === "check") row.classList.add("inline");
+  return { field, control, read, row };
+}
+
+/**
+ * The form a prompt asks with, built once per call and schema and kept across renders, so
+ * what the person typed stays (also when the answer is refused).
+ */
+function answerFormNode(m, it, tool) {
+  const shape = answerShape(tool?.result ?? null);
+  const key = `form:${it.callId}:${JSON.stringify(tool?.result ?? null)}`;
+  let form = m.nodes.get(key);
+  if (form) return form;
+  for (const k of [...m.nodes.keys()]) if (k.startsWith(`form:${it.callId}:`)) m.nodes.delete(k);
+  const inputs = shape.fields.map((f) => answerField(f, shape.kind === "value" && f.kind === "text" ? "Your answer" : "Answer"));
+  const errorId = `answer-error-${it.callId}`;
+  const buttons = [];
+  if (shape.decide) {
+    const [yes, no] = yesNo(shape.decide);
+    buttons.push(h("button", { type: "submit", class: "tool primary answer-yes", "data-testid": "answer-yes", value: "yes", text: yes }),
+      h("button", { type: "submit", class: "tool answer-no", "data-testid": "answer-no", value: "no", text: no }));
+  } else {
+    buttons.push(h("button", { type: "submit", class: "tool primary", "data-testid": "answer-send", value: "send", text: "Send answer" }));
+  }
+  form = h("form", { class: "answer-form", "data-testid": "answer-form", novalidate: true, "aria-describedby": errorId },
+    ...inputs.map((i) => i.row),
+    h("p", { id: errorId, class: "answer-error", "data-testid": "answer-error", role: "alert" }),
+    h("div", { class: "answer-actions" }, ...buttons));
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const choice = ev.submitter?.value ?? (shape.decide ? null : "send");
+    if (!choice || m.answers.get(it.callId)?.state === "sending") return;
+    const values = {};
+    for (const input of inputs) {
+      input.control.removeAttribute("aria-invalid");
+      const v = input.read();
+      if (v !== undefined) values[input.field.name] = v;
+    }
+    let result;
+    if (shape.kind === "boolean") result = choice === "yes";
+    else if (shape.kind === "value") {
+      result = values[null];
+      if (result === undefined) {
+        refuseAnswer(m, it, "Type an answer first.", inputs[0]?.control);
+        return;
+      }
+    } else {
+      result = { ...values };
+      if (shape.fields.length === 1 && shape.fields[0].name == null) result = values[null] ?? {};
+      if (shape.decide) result[shape.decide] = choice === "yes";
+    }
+    sendAnswer(m, it, result, inputs);
+  });
+  m.nodes.set(key, form);
+  return form;
+}
+
+/** Refused before or by the gateway: said next to the form, which keeps what was typed. */
+function refuseAnswer(m, it, text, control = null) {
+  m.answers.set(it.callId, { state: "invalid", error: text });
+  if (control) {
+    control.setAttribute("aria-invalid", "true");
+    control.focus();
+  }
+  scheduleRender();
+}
+
+/** An answer's refusal by the gateway, in words: which field, and why (its message says). */
+function invalidAnswerText(err, inputs) {
+  const message = String(err?.message ?? "");
+  const why = message.includes("schema: ") ? message.slice(message.lastIndexOf("schema: ") + 8) : "";
+  const at = /at \['([^']+)'\]/.exec(message)?.[1];
+  const input = at ? inputs.find((i) => i.field.name === at) : null;
+  const missing = /'([^']+)' is a required property/.exec(why)?.[1];
+  const absent = missing ? inputs.find((i) => i.field.name === missing) : null;
+  let text;
+  if (absent) text = `${words(missing, absent.field.schema)} is needed.`;
+  else if (input && why) text = `${words(at, input.field.schema)}: ${why}.`;
+  else text = why ? `${why[0].toUpperCase()}${why.slice(1)}.` : "The gateway did not accept that answer.";
+  return { text: `That answer was not accepted. ${text}`, control: (input ?? absent)?.control ?? null };
+}
+
+function sendAnswer(m, it, result, inputs) {
+  const answer = { state: "sending", error: null };
+  m.answers.set(it.callId, answer);
+  scheduleRender();
+  client.answer(m.chatId, it.callId, result).then(() => {
+    answer.state = "sent";
+    scheduleRender();
+  }, (err) => {
+    if (m.answers.get(it.callId) !== answer) return;
+    if (err?.code === "invalid_request") {
+      const { text, control } = invalidAnswerText(err, inputs);
+      refuseAnswer(m, it, text, control);
+      return;
+    }
+    // conflict: another device answered first (its tool_result says what), or the
+    // conversation went on without an answer.
+    answer.state = err?.code === "conflict" ? "lost" : "failed";
+    answer.error = err?.code === "conflict" ? null : describe(err);
+    scheduleRender();
+  });
+}
+
+/** The answer, in words: "Approved", "Rejected · note: …", or the value. */
+function answerText(it, tool) {
+  const shape = answerShape(tool?.result ?? null);
+  const result = it.result;
+  if (shape.kind === "boolean" && typeof result === "boolean") return yesNo("")[result ? 0 : 1];
+  if (shape.decide && result && typeof result === "object" && typeof result[shape.decide] === "boolean") {
+    const [yes, no] = yesNo(shape.decide);
+    const said = result[shape.decide] ? (yes === "Approve" ? "Approved" : yes) : (no === "Reject" ? "Rejected" : no);
+    const { [shape.decide]: _, ...rest } = result;
+    return Object.keys(rest).length ? `${said} · ${brief(rest, 120)}` : said;
+  }
+  return brief(result, 160) || "(empty)";
+}
+
+/** Whether the call still waits for an answer: true, false, or null (not known yet). */
+function stillAsking(m, it) {
+  if (it.result !== undefined) return false;
+  const live = client?.awaiting(m.chatId);
+  const known = live ?? m.awaitingHttp;
+  return known ? it.callId in known : null;
+}
+
+/** A question answered live: said once to screen readers (the log announces additions only). */
+function announceAnswer(m, it) {
+  if (m.chatId !== active || !m.subscribed) return;
+  const mine = m.answers.get(it.callId);
+  if (mine?.state === "sending" || mine?.state === "sent") return; // this page said it
+  queueMicrotask(() => announce(`${mine?.state === "lost" ? "Another device answered first" : "Answered"}: ${answerText(it, m.tools.get(it.name))}.`));
+}
+
+/**
+ * A client tool the agent called to ask the person: what it asks (the tool's name and
+ * description, the arguments), and, while it waits, a form built from the tool's `result`
+ * schema. Once answered (here or on another device) the form gives way to the answer.
+ */
+function promptNode(m, it) {
+  const tool = m.tools.get(it.name) ?? null;
+  let node = m.nodes.get(it.key);
+  if (!node) {
+    const titleId = `prompt-title-${it.callId}`;
+    node = h("section", { class: "prompt", "data-testid": "prompt", "data-call-id": it.callId, "data-seq": it.seq,
+      role: "group", "aria-labelledby": titleId },
+    h("div", { class: "prompt-head", id: titleId },
+      h("span", { class: "prompt-kicker", text: "The agent asks you:" }),
+      h("span", { class: "tool-name", "data-testid": "prompt-tool", text: it.name })),
+    h("p", { class: "prompt-description", "data-testid": "prompt-description" }),
+    argsNode(it.args),
+    h("div", { class: "prompt-body" }));
+    m.nodes.set(it.key, node);
+  }
+  const description = node.querySelector(".prompt-description");
+  const about = typeof tool?.description === "string" ? tool.description.trim() : "";
+  description.hidden = !about;
+  if (description.textContent !== about) description.textContent = about;
+
+  const asking = stillAsking(m, it);
+  const mine = m.answers.get(it.callId) ?? null;
+  // The form waits for the tool's schema too (the history's client_tools event, or the GET).
+  const state = it.result !== undefined ? "answered" : asking === false ? "unanswered"
+    : asking && (tool || m.toolsSeq >= 0) ? "waiting" : "pending";
+  node.dataset.state = state;
+  const body = node.querySelector(".prompt-body");
+  const hadFocus = node.contains(document.activeElement) && !description.contains(document.activeElement);
+  let parts;
+  if (state === "waiting") {
+    const form = answerFormNode(m, it, tool);
+    const error = form.querySelector(".answer-error");
+    const text = mine?.state === "invalid" || mine?.state === "failed" ? mine.error ?? "" : "";
+    if (error.textContent !== text) error.textContent = text;
+    error.hidden = !text;
+    form.dataset.state = mine?.state ?? "";
+    form.setAttribute("aria-busy", String(mine?.state === "sending"));
+    for (const b of form.querySelectorAll("button")) b.setAttribute("aria-disabled", String(mine?.state === "sending"));
+    parts = [form];
+    if (mine?.state === "sending") parts.push(statusLine(m, it, "prompt-status", client?.connected ? "Sending your answer…" : "Your answer goes out when reconnected."));
+  } else if (state === "answered") {
+    const said = answerText(it, tool);
+    const text = mine?.state === "lost"
+      ? `Sorry: another device answered first, so yours was not used. The answer: ${said}`
+      : `${mine?.state === "sent" ? "You answered" : "Answered"}: ${said}`;
+    parts = [statusLine(m, it, "prompt-answer", text, mine?.state === "lost" ? "lost" : "")];
+  } else if (state === "unanswered") {
+    const text = mine?.state === "lost"
+      ? "Sorry: this question was closed before your answer arrived (answered elsewhere, or the conversation went on)."
+      : "Not answered: the conversation went on without it.";
+    parts = [statusLine(m, it, "prompt-answer", text, mine?.state === "lost" ? "lost" : "")];
+  } else {
+    parts = [statusLine(m, it, "prompt-status", "Waiting for an answer…")];
+  }
+  reconcile(body, parts);
+  // The form went (answered, here or elsewhere): the focus stays in the prompt, on its outcome.
+  if (hadFocus && !node.contains(document.activeElement)) parts[0].focus();
+  return node;
+}
+
+/** A prompt's outcome or progress, in a line (kept while its words stay: said once). */
+function statusLine(m, it, testId, text, kind = "") {
+  const key = `outcome:${it.callId}:${testId}:${text}`;
+  let node = m.nodes.get(key);
+  if (!node) {
+    for (const k of [...m.nodes.keys()]) if (k.startsWith(`outcome:${it.callId}:`)) m.nodes.delete(k);
+    node = h("p", { class: `prompt-outcome ${kind}`, "data-testid": testId, tabindex: "-1", text });
+    m.nodes.set(key, node);
+  }
+  return node;
+}
+
+/** The arguments of a question: a list of name and value (or the value, when not an object). */
+function argsNode(args) {
+  if (args === undefined || args === null || (typeof args === "object" && !Array.isArray(args) && !Object.keys(args).length)) {
+    return h("div", { hidden: true });
+  }
+  if (typeof args !== "object" || Array.isArray(args)) {
+    return h("pre", { class: "tool-json", "data-testid": "prompt-args", text: pretty(args) });
+  }
+  return h("dl", { class: "prompt-args", "data-testid": "prompt-args" },
+    ...Object.entries(args).flatMap(([k, v]) => [
+      h("dt", { text: words(k) }),
+      h("dd", { "data-arg": k, text: typeof v === "string" ? v : pretty(v) }),
+    ]));
 }
 
 function pendingNode(m, id, p) {
