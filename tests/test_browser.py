@@ -35,6 +35,7 @@ from .conftest import GatewayProcess, free_port
 from .netproxy import SilenceableProxy
 from .steps import history_sync as history  # these tests are synchronous
 from .test_agent import agent_worker
+from .test_client_tools import asking_handler
 from .test_named_agents import answering
 
 pytestmark = pytest.mark.browser
@@ -1820,17 +1821,24 @@ def test_the_agent_state_panel_is_hydrated_on_reload_and_updated_live(
 
 @contextlib.contextmanager
 def named_agents(redis_url: str, *names: str) -> Iterator[None]:
-    """In-process AgentWorkers, one per name, each answering "<name> here", on an event
-    loop of their own (Playwright's sync API holds this thread's)."""
+    """In-process AgentWorkers, one per name, each answering "<name> here"."""
+    with running_agents(redis_url, {name: answering(name) for name in names}):
+        yield
+
+
+@contextlib.contextmanager
+def running_agents(redis_url: str, handlers: dict[str, Any]) -> Iterator[None]:
+    """In-process AgentWorkers, one per agent name and its handler, on an event loop of
+    their own (Playwright's sync API holds this thread's)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     stack = contextlib.AsyncExitStack()
 
     async def start() -> None:
-        for name in names:
+        for name, handler in handlers.items():
             await stack.enter_async_context(
-                agent_worker(redis_url, answering(name), "agents", name=name))
+                agent_worker(redis_url, handler, "agents", name=name))
 
     try:
         asyncio.run_coroutine_threadsafe(start(), loop).result(TURN / 1000)
@@ -1887,3 +1895,203 @@ def test_new_chat_offers_the_live_agents_and_the_header_names_the_one_chosen(
     current_chat(page)
     expect(header).to_have_text("agent: default")
     expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+
+
+# --- client tools: the agent asks, any tab answers ----------------------------------------
+
+APPROVE = {"name": "approve_payment", "description": "Approve this payment from your account",
+           "parameters": {"type": "object", "required": ["amount"],
+                          "properties": {"amount": {"type": "number"}}},
+           "result": {"type": "object", "required": ["approved"],
+                      "properties": {"approved": {"type": "boolean"}}}}
+
+
+def asking_chat(gw: GatewayProcess, user: str, agent: str, tool: dict[str, Any]) -> str:
+    """A conversation answered by ``agent`` (an asking handler), with ``tool`` declared over
+    HTTP as its client tool."""
+    chat_id = f"c_{uuid.uuid4().hex[:12]}"
+    resp = httpx.post(f"{gw.http}/v1/conversations", headers=gw.headers(user),
+                      json={"chat_id": chat_id, "agent": agent})
+    assert resp.status_code == 201, resp.text
+    resp = httpx.patch(f"{gw.http}/v1/conversations/{chat_id}", headers=gw.headers(user),
+                       json={"client_tools": [tool]})
+    assert resp.status_code == 200, resp.text
+    return chat_id
+
+
+class HeldSocket:
+    """A page's WebSocket through Playwright's route, so that what the gateway sends can be
+    held back for a moment (a network that stalls one way) and then delivered in order."""
+
+    def __init__(self, page: Any) -> None:
+        self.held: list[tuple[Any, str | bytes]] | None = None
+        page.route_web_socket(lambda url: "/v1/ws" in url, self._route)
+
+    def _route(self, ws: Any) -> None:
+        server = ws.connect_to_server()
+        ws.on_message(server.send)
+        server.on_message(lambda message: self._down(ws, message))
+
+    def _down(self, ws: Any, message: str | bytes) -> None:
+        if self.held is None:
+            ws.send(message)
+        else:
+            self.held.append((ws, message))
+
+    def hold(self) -> None:
+        self.held = []
+
+    def release(self) -> None:
+        held, self.held = self.held or [], None
+        for ws, message in held:
+            ws.send(message)
+
+
+def waiting_prompt(page: Any) -> Any:
+    """The prompt that waits for an answer, once there is one (whatever its state later)."""
+    waiting = page.locator('[data-testid="prompt"][data-state="waiting"]')
+    expect(waiting).to_have_count(1, timeout=TURN)
+    call_id = waiting.get_attribute("data-call-id")
+    return page.locator(f'[data-testid="prompt"][data-call-id="{call_id}"]')
+
+
+def test_a_client_tool_asks_every_tab_and_the_first_answer_wins(
+        page: Any, browser: Any, demo: GatewayProcess, browser_redis: str, user: str) -> None:
+    agent = f"asker-{uuid.uuid4().hex[:8]}"
+    other = browser.new_page()  # a second tab of the same person, phone-sized
+    errors: list[str] = []
+    other.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        sized(other, "phone")
+        network = HeldSocket(other)
+        with running_agents(browser_redis, {agent: asking_handler([])}):
+            chat_id = asking_chat(demo, user, agent, APPROVE)
+            for tab in (page, other):
+                open_app(tab, demo, user, chat=chat_id)
+                synced(tab, chat_id)
+            send(page, "Pay the hotel")
+            # The question shows on both tabs, live: the tool, what it is for, its arguments,
+            # and Approve and Reject (the tool's result schema has a boolean `approved`).
+            for tab in (page, other):
+                prompt = waiting_prompt(tab)
+                expect(prompt.get_by_test_id("prompt-tool")).to_have_text("approve_payment")
+                expect(prompt.get_by_test_id("prompt-description")).to_have_text(
+                    APPROVE["description"])
+                expect(prompt.get_by_test_id("prompt-args")).to_contain_text("42.5")
+                expect(prompt.get_by_role("button", name="Approve")).to_be_visible()
+                expect(prompt.get_by_role("button", name="Reject")).to_be_visible()
+            # A tab that opens the conversation later shows it pending too.
+            page.reload()
+            expect(page.get_by_test_id("app")).to_have_attribute("data-ready", "true",
+                                                                 timeout=TURN)
+            synced(page, chat_id)
+            prompt = waiting_prompt(page)
+            problems = axe_problems(page, "a client tool's prompt") + axe_problems(
+                other, "a client tool's prompt on a phone")
+            assert not problems, "\n".join(problems)
+            assert_fits(other, "a client tool's prompt on a phone")
+
+            # One tab approves: the other's prompt turns answered, and cannot answer again.
+            prompt.get_by_role("button", name="Approve").click()
+            expect(prompt).to_have_attribute("data-state", "answered", timeout=TURN)
+            expect(prompt.get_by_test_id("prompt-answer")).to_have_text(
+                "You answered: Approved", timeout=TURN)
+            answered_there = other.locator(
+                f'[data-testid="prompt"][data-call-id="{prompt.get_attribute("data-call-id")}"]')
+            expect(answered_there).to_have_attribute("data-state", "answered", timeout=TURN)
+            expect(answered_there.get_by_test_id("prompt-answer")).to_have_text(
+                "Answered: Approved")
+            expect(answered_there.get_by_test_id("answer-form")).to_have_count(0)
+            expect(answered_there.get_by_role("button")).to_have_count(0)
+            # The agent goes on, on both tabs.
+            for tab in (page, other):
+                expect(messages(tab, "assistant")).to_have_text(["paid"], timeout=TURN)
+
+            # Asked again; this time the phone answers too, while the gateway's frames to it
+            # stall: the laptop's answer wins, and the phone says so politely, with it.
+            send(page, "Pay the taxi as well")
+            mine, late = waiting_prompt(page), waiting_prompt(other)
+            network.hold()
+            mine.get_by_role("button", name="Approve").click()
+            expect(mine).to_have_attribute("data-state", "answered", timeout=TURN)
+            expect(late).to_have_attribute("data-state", "waiting")  # it heard nothing yet
+            late.get_by_role("button", name="Reject").click()
+            network.release()
+            lost = late
+            expect(lost.get_by_test_id("prompt-answer")).to_have_text(
+                "Sorry: another device answered first, so yours was not used. "
+                "The answer: Approved", timeout=TURN)
+            expect(lost.get_by_test_id("answer-form")).to_have_count(0)
+            for tab in (page, other):
+                expect(messages(tab, "assistant")).to_have_text(["paid", "paid"], timeout=TURN)
+            stored = history(demo, user, chat_id, view="active")
+            assert [e["data"]["result"] for e in stored if e["type"] == "tool_result"] == [
+                {"approved": True}, {"approved": True}]
+    finally:
+        other.close()
+    assert not errors, f"uncaught errors in the second tab: {errors}"
+
+
+TIPPED = {"name": "approve_payment", "description": "Approve this payment, with a tip",
+          "parameters": APPROVE["parameters"],
+          "result": {"type": "object", "required": ["approved", "note"], "properties": {
+              "approved": {"type": "boolean"},
+              "tip": {"type": "integer", "minimum": 0, "maximum": 20, "title": "Tip (%)"},
+              "method": {"enum": ["card", "cash"]},
+              "note": {"type": "string", "description": "Printed on the receipt"}}}}
+
+
+def test_a_bad_answer_is_refused_next_to_the_form_which_keeps_it(
+        page: Any, demo: GatewayProcess, browser_redis: str, user: str) -> None:
+    sized(page, "phone")
+    agent = f"asker-{uuid.uuid4().hex[:8]}"
+    with running_agents(browser_redis, {agent: asking_handler([])}):
+        chat_id = asking_chat(demo, user, agent, TIPPED)
+        open_app(page, demo, user, chat=chat_id)
+        synced(page, chat_id)
+        send(page, "Pay the hotel")
+        prompt = waiting_prompt(page)
+        # A field per property: a number box, a choice, a text box (labelled); `approved` is
+        # the pair of buttons.
+        tip = prompt.get_by_label("Tip (%)")
+        method = prompt.get_by_label("Method")
+        note = prompt.get_by_label("Note")
+        expect(tip).to_have_attribute("type", "number")
+        expect(method.locator("option")).to_have_text(["Choose…", "card", "cash"])
+        expect(note).to_have_attribute("type", "text")
+        error = prompt.get_by_test_id("answer-error")
+        expect(error).to_be_hidden()
+
+        # Out of the schema's range: refused by the gateway, said next to the form.
+        tip.fill("150")
+        method.select_option("card")
+        note.fill("Room 12")
+        prompt.get_by_role("button", name="Approve").click()
+        expect(error).to_have_text("That answer was not accepted. Tip (%): 150 is greater "
+                                   "than the maximum of 20.", timeout=TURN)
+        expect(prompt).to_have_attribute("data-state", "waiting")
+        expect(tip).to_have_value("150")  # what was typed stays, to fix
+        expect(note).to_have_value("Room 12")
+        expect(method.locator("option:checked")).to_have_text("card")
+        expect(tip).to_have_attribute("aria-invalid", "true")
+        expect(tip).to_be_focused()
+        problems = axe_problems(page, "a refused answer on a phone")
+        assert not problems, "\n".join(problems)
+        assert_fits(page, "a refused answer on a phone")
+
+        # A required field left out: refused too.
+        tip.fill("10")
+        note.fill("")
+        prompt.get_by_role("button", name="Approve").click()
+        expect(error).to_have_text("That answer was not accepted. Note is needed.", timeout=TURN)
+        expect(note).to_be_focused()
+        expect(tip).to_have_value("10")
+        assert not [e for e in history(demo, user, chat_id, view="active")
+                    if e["type"] == "tool_result"], "a refused answer is not stored"
+
+        note.fill("Room 12")
+        prompt.get_by_role("button", name="Approve").click()
+        expect(prompt).to_have_attribute("data-state", "answered", timeout=TURN)
+        expect(prompt.get_by_test_id("prompt-answer")).to_have_text(
+            'You answered: Approved · tip: 10 · method: "card" · note: "Room 12"', timeout=TURN)
+        expect(messages(page, "assistant")).to_have_text(["paid"], timeout=TURN)
