@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from . import __version__, logs, sse, tools
+from . import __version__, ai_sdk, logs, sse, tools
 from . import protocol as p
 from .auth import AuthError, Principal, check_access
 from .errors import ErrorBody, ErrorDetail, Rejected
@@ -800,6 +800,61 @@ async def stream(request: Request) -> Response:
     return await sse.endpoint(request)
 
 
+# --- the Vercel AI SDK's chat transport (gateway/ai_sdk.py; protocol.md, "The Vercel AI SDK")
+
+_AI_SDK_CHAT = ai_sdk.PREFIX + "/{chat_id}"
+
+
+@API.operation(
+    "POST", ai_sdk.PREFIX, summary="The AI SDK's chat transport: send, or regenerate",
+    description="The body `DefaultChatTransport` sends (`id`, `messages`, `trigger`, "
+    "`messageId`, and the app's own fields, which reach the agent as the message's "
+    "`data.props`). `id` is the chat id: the conversation is created for the caller, "
+    "answered by `agent`, if it does not exist. `submit-message`: the last message (the "
+    "user's) becomes a `message`, its id the `client_msg_id` (a resent request stores "
+    "nothing twice and streams the same turn); `regenerate-message`: a `retry`. The reply "
+    "is the turn as a UI message stream (`x-vercel-ai-ui-message-stream: v1`) ending with "
+    "`data: [DONE]`. Closing it does not stop the turn. Refusals come before the stream.",
+    body=ai_sdk.ChatRequest, reply=ai_sdk.ChunkEvent, media_type=EVENT_STREAM,
+    errors=(400, 403, 404, 409, 413, 422, 503),
+)
+async def ai_sdk_chat(request: Request) -> Response:
+    return await ai_sdk.chat(request)
+
+
+@API.operation(
+    "GET", _AI_SDK_CHAT + "/stream", summary="The AI SDK's chat transport: resume",
+    description="The running turn as a UI message stream from its start (its text so far "
+    "at once, then live), ending with the turn; any device, any number of times. 204 when "
+    "no turn runs (or the chat does not exist yet).",
+    reply=ai_sdk.ChunkEvent, media_type=EVENT_STREAM, empty=(204,),
+    errors=(400, 403, 503),
+)
+async def ai_sdk_resume(request: Request) -> Response:
+    return await ai_sdk.resume(request)
+
+
+@API.operation(
+    "GET", _AI_SDK_CHAT + "/messages", summary="The AI SDK's chat transport: the messages",
+    description="The active path as `UIMessage[]` (user messages; each answer with its "
+    "text, reasoning, tool and data parts), for the page's first render; `[]` for a chat "
+    "that does not exist yet.",
+    reply=list[ai_sdk.OutMessage], errors=(400, 403, 503),
+)
+async def ai_sdk_messages(request: Request) -> Response:
+    return await ai_sdk.messages(request)
+
+
+@API.operation(
+    "POST", _AI_SDK_CHAT + "/stop", summary="The AI SDK's chat transport: stop the answer",
+    description="Cancels the running turn (`turn_id`: the one told to stop, null when none "
+    "was running). Closing a response never stops a turn. No body.",
+    reply=ai_sdk.Stopped, errors=(400, 403, 404, 503),
+)
+async def ai_sdk_stop(request: Request) -> Response:
+    return await ai_sdk.stop(request)
+
+
 @API.operation(
     "POST", "/v1/ws-ticket", summary="A connection ticket for the WebSocket",
     description="Trades the bearer token for a ticket that opens one connection to "
@@ -888,4 +943,4 @@ exception_handlers = {
     ConnectionError: on_backend_error,
 }
 
-routes = API.routes()
+routes = API.routes() + ai_sdk.preflight_routes()  # CORS preflight: not in the document

@@ -52,6 +52,7 @@ class Operation:
     body: Any = None  # the request body's type, decoded as JSON
     query: Any = None  # a Struct whose fields are the query parameters
     errors: tuple[int, ...] = ()  # error statuses besides 401 (implied by auth)
+    empty: tuple[int, ...] = ()  # other success statuses, answered with no body (a 204)
     auth: bool = True  # needs a token
 
     @property
@@ -137,6 +138,8 @@ class Api:
         if op.reply is not None:
             success["content"] = {op.media_type: {"schema": schema[op.reply]}}
         responses: dict[str, Any] = {str(op.status): success}
+        for status in op.empty:
+            responses[str(status)] = {"description": HTTPStatus(status).phrase}
         error = {JSON: {"schema": schema[ErrorBody]}}
         for status in sorted({*op.errors, *((401,) if op.auth else ())}):
             responses[str(status)] = {"description": _error_description(status),

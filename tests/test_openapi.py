@@ -39,6 +39,8 @@ from .wsclient import connect
 EXAMPLES = int(os.environ.get("GATEWAY_OPENAPI_EXAMPLES", "40"))
 SEED = int(os.environ.get("GATEWAY_OPENAPI_SEED", "20260101"))
 STREAM = "/v1/conversations/{chat_id}/stream"  # never ends: checked below, not fuzzed
+# The AI SDK transport's streams last as long as a turn: checked below too, not fuzzed.
+AI_SDK_CHAT, AI_SDK_RESUME = "/v1/ai-sdk/chat", "/v1/ai-sdk/chat/{chat_id}/stream"
 USER, OTHER = "openapi-user", "openapi-other"
 STATUSES: dict[str, Counter[int]] = defaultdict(Counter)
 
@@ -83,7 +85,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # Built in-process from the route table; a test below checks the gateway serves the same.
 FULL = schemathesis.openapi.from_dict(msgspec.json.decode(document()),
                                       config=schemathesis.Config.from_dict(CONFIG))
-schema = FULL.exclude(path=STREAM)
+schema = FULL.exclude(path=[STREAM, AI_SDK_CHAT, AI_SDK_RESUME])
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +155,45 @@ def test_the_stream_refuses_as_documented(gateway: Any, user: str, chat_id: str)
         lines = reply.iter_lines()
         first = [next(lines) for _ in range(3)]
         assert first[1] == "event: ready" and first[2].startswith("data: {"), first
+
+
+def test_the_ai_sdk_streams_refuse_and_open_as_documented(gateway: Any, user: str,
+                                                          chat_id: str) -> None:
+    """The AI SDK transport's two streams (not fuzzed: one lasts as long as a turn, and
+    no agent answers here): their refusals and their openings, against the document."""
+    chat, resume = FULL[AI_SDK_CHAT]["POST"], FULL[AI_SDK_RESUME]["GET"]
+    message = {"id": "m1", "role": "user", "parts": [{"type": "text", "text": "hi"}]}
+    mine, theirs = gateway.headers(user), gateway.headers("someone-else")
+    for body, headers, status in [
+        ({"id": chat_id, "messages": []}, mine, 400),  # no user message to send
+        ({"id": "bad id", "messages": [message]}, mine, 422),
+        ({"id": chat_id, "messages": [message], "trigger": "other"}, mine, 422),
+        ({"id": chat_id, "messages": [message]}, {}, 401),
+    ]:
+        reply = chat.Case(body=body).call_and_validate(base_url=gateway.http, headers=headers,
+                                                      checks=CHECKS)
+        assert reply.status_code == status, (body, reply.text)
+    for path, headers, status in [({"chat_id": chat_id}, mine, 204),  # not created yet
+                                  ({"chat_id": "bad*id"}, mine, 400),
+                                  ({"chat_id": chat_id}, {}, 401)]:
+        reply = resume.Case(path_parameters=path).call_and_validate(
+            base_url=gateway.http, headers=headers, checks=CHECKS)
+        assert reply.status_code == status, (path, reply.text)
+    declared = FULL.raw_schema["paths"][AI_SDK_CHAT]["post"]["responses"]["200"]["content"]
+    with httpx.stream("POST", gateway.http + AI_SDK_CHAT, headers=mine, timeout=10,
+                      json={"id": chat_id, "messages": [message]}) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].split(";")[0] in declared
+        assert next(reply.iter_lines()).startswith('data: {"type":"start"')
+    reply = resume.Case(path_parameters={"chat_id": chat_id}).call_and_validate(
+        base_url=gateway.http, headers=theirs, checks=CHECKS)
+    assert reply.status_code == 403, reply.text
+    with httpx.stream("GET", f"{gateway.http}/v1/ai-sdk/chat/{chat_id}/stream", headers=mine,
+                      timeout=10) as reply:  # the turn runs (no agent answers it)
+        assert reply.status_code == 200 and reply.headers["content-type"].split(";")[0] in declared
+        assert next(reply.iter_lines()).startswith('data: {"type":"start"')
+    stop = FULL["/v1/ai-sdk/chat/{chat_id}/stop"]["POST"].Case(path_parameters={"chat_id": chat_id})
+    reply = stop.call_and_validate(base_url=gateway.http, headers=mine, checks=CHECKS)
+    assert reply.status_code == 200 and reply.json()["turn_id"] is not None
 
 
 @pytest.mark.anyio
