@@ -637,7 +637,8 @@ async def rename_conversation(request: Request) -> Response:
     who, chat_id = _principal(request), _chat_id(request)
     spec = await _body(request, Change)
     if isinstance(spec.title, UnsetType) and isinstance(spec.client_tools, UnsetType):
-        raise Rejected("invalid_request", "give `title`, `client_tools`, or both")
+        raise Rejected("unprocessable", "Object missing required field `title` (or "
+                       "`client_tools`)")
     await _owned(request, who, chat_id)
     conversations = _gateway(request).conversations
     if not isinstance(spec.client_tools, UnsetType):

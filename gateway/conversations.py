@@ -32,6 +32,7 @@ from .redis.store import NotReplicated, Store
 log = logging.getLogger("gateway.conversations")
 
 _encode = msgspec.json.encode
+_to_msgpack = msgspec.msgpack.Encoder().encode
 PREVIEW_CHARS = 120
 SEQ_SCAN = 500  # latest events searched for a stranded turn's turn_start
 
@@ -265,6 +266,9 @@ class Conversations:
     async def answer(self, who: Principal, req: p.ToolResult) -> p.Ack:
         """A person answers a client tool call: a durable ``tool_result`` on the path, and
         a new turn that goes on from it. The first answer wins (``conflict`` after)."""
+        why = p.uncarried(_to_msgpack, req.result, "$.result")  # stored: both formats carry it
+        if why is not None:
+            raise Rejected("unprocessable", why)
         meta = await self.store.meta(req.chat_id)
         if meta is None:
             raise Rejected("not_found", f"conversation {req.chat_id!r} does not exist")

@@ -385,10 +385,14 @@ class Codec:
             raise msgspec.ValidationError("the frame is nested too deeply") from None
         except UnicodeDecodeError:  # msgspec checks a string's UTF-8 as it decodes it
             raise msgspec.DecodeError("a string is not valid UTF-8") from None
+        # What is stored must go out in both wire formats: a message's data, an answer.
+        why = None
         if isinstance(frame, Message) and frame.data is not None:
             why = uncarried(self._other, frame.data, "$.data")
-            if why is not None:
-                raise msgspec.ValidationError(why)
+        elif isinstance(frame, ToolResult):
+            why = uncarried(self._other, frame.result, "$.result")
+        if why is not None:
+            raise msgspec.ValidationError(why)
         return frame
 
     def envelope(self, data: bytes) -> Envelope:

@@ -191,7 +191,8 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
             assert snap == {"title": "Trip plan", "status": "running", "turn_id": turn_id,
                             "started_at": turn_start["data"]["started_at"], "goal_state": None,
                             "streams": [], "head": turn_id,
-                            "usage": {"billed": {}, "active": {}}, "message_count": 2}
+                            "usage": {"billed": {}, "active": {}}, "message_count": 2,
+                            "agent": "default"}
 
         resp = await post_events(gateway, chat_id, {"type": "goal_state", "data": GOAL})
         assert resp.status_code == 200, resp.text
