@@ -57,8 +57,13 @@ async def handler(turn: Turn) -> None:
     elif command == "fail":
         await turn.delta("about to")
         raise RuntimeError("boom")
-    elif command == "props":
-        await turn.message(json.dumps(turn.data, sort_keys=True))
+    elif command == "pay":  # asks a person; the answer's turn (no text) goes on below
+        await turn.delta("Let me ask.")
+        await turn.message()
+        await turn.ask("approve", {"amount": 5})
+    elif not turn.text:
+        answer = (await turn.history())[-1]
+        await turn.message(f"paid: {answer['content']}")
     else:
         await turn.reasoning("thinking")
         await turn.delta("Hello")
@@ -337,6 +342,52 @@ async def test_closing_the_response_does_not_stop_the_turn_and_stop_does(
     # The stopped answer is kept as a partial, whole.
     [text] = [p for p in shown[-1]["parts"] if p["type"] == "text"]
     assert text == {"type": "text", "text": text_of(chunks), "state": "done"}
+
+
+async def test_a_slow_reader_reads_on_from_the_log_within_the_same_reply(
+    start_gateway: Any, redis_url: str, group: str, user: str, chat_id: str
+) -> None:
+    """With a queue of a few bytes, the reply's room member overflows at almost every
+    frame: each time it reads on from its last seq and the open streams, and the answer
+    still comes whole, each piece once."""
+    tiny = start_gateway(queue_max_bytes=64)
+    async with agent_worker(redis_url, handler, group), \
+            httpx.AsyncClient(base_url=tiny.http) as http:
+        _, slow, slow_done = await post(http, tiny, user, body(chat_id, "slow"))
+        _, rich, rich_done = await post(http, tiny, user, body(chat_id, "hi"))
+    assert slow_done and text_of(slow) == slow_answer()
+    assert rich_done and text_of(rich) == "Hello world"
+    assert [c["type"] for c in rich].count("tool-output-available") == 1
+    assert [c["type"] for c in rich].count("data-usage") == 1
+
+
+async def test_a_client_tool_question_and_its_answer(gateway: Any, agent: None, user: str,
+                                                     chat_id: str) -> None:
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        headers = gateway.headers(user)
+        await http.post("/v1/conversations", json={"chat_id": chat_id}, headers=headers)
+        tools = [{"name": "approve", "parameters": {"type": "object"}}]
+        (await http.patch(f"/v1/conversations/{chat_id}", json={"client_tools": tools},
+                          headers=headers)).raise_for_status()
+        _, asked, done = await post(http, gateway, user, body(chat_id, "pay the bill"))
+        [question] = [c for c in asked if c["type"] == "tool-input-available"]
+        answer = await http.post(f"/v1/conversations/{chat_id}/tool-results", headers=headers,
+                                 json={"call_id": question["toolCallId"], "result": "yes"})
+        assert answer.status_code == 200, answer.text
+        async with http.stream("GET", f"{CHAT}/{chat_id}/stream", headers=headers) as reply:
+            # The answer's turn, unless it was over before the resume asked.
+            went_on, _ = (await read_stream(reply)) if reply.status_code == 200 else ([], True)
+        await until_idle(gateway, user, chat_id)
+        shown = (await http.get(f"{CHAT}/{chat_id}/messages", headers=headers)).json()
+    assert done and question["toolName"] == "approve" and question["input"] == {"amount": 5}
+    assert asked[-1] == {"type": "finish", "finishReason": "tool-calls"}
+    if went_on:
+        assert went_on[0]["messageId"] == answer.json()["turn_id"]
+        assert text_of(went_on) == "paid: yes"
+    assert [m["role"] for m in shown] == ["user", "assistant", "assistant"]
+    [tool] = [p for p in shown[1]["parts"] if p["type"] == "tool-approve"]
+    assert tool["state"] == "output-available" and tool["output"] == "yes"
+    assert [p["text"] for p in shown[2]["parts"] if p["type"] == "text"] == ["paid: yes"]
 
 
 # --- messages -------------------------------------------------------------------------
