@@ -608,6 +608,20 @@ async def children(request: Request) -> Response:
     return JSONResponse(_encode(Children(chat_id, found)))
 
 
+@API.operation(
+    "GET", "/v1/conversations/{chat_id}/presence",
+    summary="Who is connected to a conversation now (owner or service)",
+    description="`users`: each user with a subscribed connection and how many it has; "
+    "`agents`: each agent running a turn in it and its workers there. `v` only grows: of "
+    "two lists, the higher `v` is the newer (protocol.md, presence).",
+    reply=p.PresenceList, errors=(400, 403, 404, 503),
+)
+async def presence(request: Request) -> Response:
+    chat_id = _chat_id(request)
+    await _owned(request, _principal(request), chat_id)
+    return JSONResponse(_encode(await _gateway(request).presence.read(chat_id)))
+
+
 class Agents(msgspec.Struct, frozen=True):
     agents: list[LiveAgent]  # by name
 

@@ -61,6 +61,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     rate_burst: int = 100
     max_bad_frames: int = 20  # invalid frames in a row before 4004
     heartbeat: float = 25.0  # WebSocket ping interval, seconds
+    # Presence (gateway/presence.py): seconds an entry lives unless renewed (renewed every
+    # third of it), and the shortest gap between two presence frames one process sends
+    # for one conversation. A killed gateway's users drop out within 4/3 TTL + the window.
+    presence_ttl: float = 15.0
+    presence_window: float = 0.5
+    typing_interval: float = 2.0  # a connection's `typing` frames per chat: one per this
     inbox_partitions: int = 8  # agent inbox streams; a chat always maps to the same one
     inbox_maxlen: int = 100_000  # entries kept per inbox partition (approximate trim)
     # Ephemeral types that, published while a turn runs, form a resumable stream; each is
@@ -110,7 +116,7 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
     for name in ("replay_limit", "buffer_max_frames", "buffer_max_bytes", "queue_max_bytes",
                  "max_frame_bytes", "max_subscriptions", "max_connections_per_user",
                  "inbox_partitions", "stream_max_bytes", "redis_timeout", "wait_timeout_ms",
-                 "list_scan"):
+                 "list_scan", "presence_ttl"):
         if not getattr(settings, name) > 0:  # NaN too
             raise ConfigError(f"{_ENV_PREFIX}{name.upper()} must be positive")
     if not 0 <= settings.metrics_port <= 65535 or settings.metrics_port == settings.port:
@@ -118,6 +124,10 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
                           f"{_ENV_PREFIX}PORT, or 0")
     if not 0 <= settings.conversation_ttl < 10**12:  # NaN and inf too
         raise ConfigError(f"{_ENV_PREFIX}CONVERSATION_TTL must be 0 (off) or seconds")
+    if not (0 <= settings.presence_window < settings.presence_ttl
+            and 0 <= settings.typing_interval < 3600):
+        raise ConfigError(f"{_ENV_PREFIX}PRESENCE_WINDOW must be under {_ENV_PREFIX}PRESENCE_TTL, "
+                          f"and {_ENV_PREFIX}TYPING_INTERVAL seconds")
     if settings.wait_replicas < 0:
         raise ConfigError(f"{_ENV_PREFIX}WAIT_REPLICAS must not be negative")
     if not re.match(AGENT_NAME_PATTERN, settings.default_agent):

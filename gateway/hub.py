@@ -27,7 +27,7 @@ from .frames import Frame
 from .metrics import COUNTS
 from .redis.backend import Backend
 from .redis.channels import Channels
-from .redis.envelope import unpack
+from .redis.envelope import signal_of, unpack
 from .redis.keys import feed_channel
 from .redis.records import History
 from .redis.store import Store
@@ -168,7 +168,9 @@ class Hub:
         if room is not None:
             epoch, seq, stream, json = unpack(data)
             frame = Frame(json, seq, stream)
-            if room.repairing:
+            if seq is None and epoch:  # a `presence` or `typing` (envelope.py)
+                room.fan_out_signal(frame, *signal_of(epoch))
+            elif room.repairing:
                 room.backlog.append((epoch, frame))
             else:
                 self._advance(room, epoch, frame)

@@ -47,7 +47,7 @@ GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
      "client_tools",
      "stream_discarded", "head", "child", "hello", "subscribed", "unsubscribed", "left",
-     "ack", "pong", "error"}
+     "ack", "pong", "error", "presence", "typing", "typed"}
 )
 
 
@@ -153,8 +153,15 @@ class Ping(msgspec.Struct, tag="ping", tag_field="type", frozen=True):
     id: RequestId | None = None
 
 
+class Typing(msgspec.Struct, tag="typing", tag_field="type", frozen=True):
+    """The person is typing in ``chat_id``: the other subscribers get a ``typing`` frame."""
+
+    chat_id: ChatId
+    id: RequestId | None = None
+
+
 ClientFrame = (Subscribe | Unsubscribe | Leave | Message | Cancel | Ping | Retry | Edit | Undo
-               | Switch | ToolResult)
+               | Switch | ToolResult | Typing)
 
 
 class Envelope(msgspec.Struct):
@@ -177,6 +184,7 @@ class Limits(msgspec.Struct, frozen=True):
     buffer_max_frames: int
     buffer_max_bytes: int
     buffer_ttl: float
+    typing_interval: float = 2.0  # a connection's `typing` frames per chat: one per this
 
 
 class Hello(msgspec.Struct, tag="hello", tag_field="type", omit_defaults=False):
@@ -222,6 +230,37 @@ class ChildSummary(msgspec.Struct, frozen=True):
     usage: UsageTotals
 
 
+class PresentUser(msgspec.Struct, frozen=True):
+    """A user connected to a conversation now, with their number of connections."""
+
+    user_id: str
+    connections: int
+
+
+class PresentAgent(msgspec.Struct, frozen=True):
+    """An agent running a turn in a conversation now, with its number of workers there."""
+
+    name: str
+    workers: int
+
+
+class PresenceList(msgspec.Struct, frozen=True):
+    """Who is connected to a conversation now (``subscribed.snapshot.presence``, the
+    ``presence`` frame, ``GET .../presence``). ``v`` only grows: keep the highest."""
+
+    v: int
+    users: list[PresentUser]
+    agents: list[PresentAgent]
+
+
+class TypingFrame(msgspec.Struct, tag="typing", tag_field="type", frozen=True):
+    """Someone is typing in ``chat_id`` (ephemeral: never stored, never replayed)."""
+
+    chat_id: str
+    user_id: str
+    ts: int
+
+
 class Snapshot(msgspec.Struct, omit_defaults=True):
     title: str | None
     status: Literal["idle", "running"]
@@ -240,6 +279,7 @@ class Snapshot(msgspec.Struct, omit_defaults=True):
     # Client tool calls awaiting a person's answer: {call_id: tool name}; omitted: none.
     awaiting: dict[str, str] | msgspec.UnsetType = msgspec.UNSET
     agent: str | msgspec.UnsetType = msgspec.UNSET  # the agent that answers it
+    presence: PresenceList | msgspec.UnsetType = msgspec.UNSET  # who is connected now
 
 
 class Subscribed(msgspec.Struct, tag="subscribed", tag_field="type", omit_defaults=True):
@@ -274,6 +314,14 @@ class Ack(msgspec.Struct, tag="ack", tag_field="type", omit_defaults=True):
     head: str | msgspec.UnsetType | None = msgspec.UNSET  # a tree operation's new head
     msg_id: str | msgspec.UnsetType = msgspec.UNSET  # the user message it added or took back
     text: str | msgspec.UnsetType = msgspec.UNSET  # undo: the text taken back
+
+
+class Typed(msgspec.Struct, tag="typed", tag_field="type", omit_defaults=True):
+    """The reply to ``typing``: ``sent`` false when this connection's limit dropped it."""
+
+    chat_id: str
+    sent: bool
+    id: RequestId | None = None
 
 
 class Pong(msgspec.Struct, tag="pong", tag_field="type", omit_defaults=True):

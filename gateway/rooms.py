@@ -37,6 +37,10 @@ class Member(Protocol):
 
     def deliver_feed(self, frame: Frame) -> None: ...
 
+    def deliver_signal(self, chat_id: str, frame: Frame, skip: str, version: int) -> None:
+        """A ``presence`` (``version`` > 0) or ``typing`` frame (not for the connection
+        ``skip``): not events of the log, so neither buffered nor replayed."""
+
     def resync(self, chat_id: str) -> None:
         """The conversation's history was lost or forked (Redis restarted empty, FLUSHALL,
         a failover to a replica that lagged, a gap already trimmed): positions held so far
@@ -184,6 +188,17 @@ class Room:
             chat_id = self.chat_id
             for member in list(self.slow):
                 member.deliver(chat_id, frame)
+
+    def fan_out_signal(self, frame: Frame, skip: str, version: int) -> None:
+        """A ``presence`` frame (its ``version``) or a ``typing`` one (not to the connection
+        ``skip``): each member decides (a stale list, a buffering member, the typist).
+        Rare and coalesced, so every member is called; the fan-out of every other frame
+        pays nothing for it."""
+        COUNTS.fanouts += 1
+        COUNTS.handed += len(self.members)
+        chat_id = self.chat_id
+        for member in list(self.members):
+            member.deliver_signal(chat_id, frame, skip, version)
 
     def _streams_settled(self, frame: Frame) -> None:
         """An answer stops streaming with the frame that names it (its commit, a partial

@@ -23,7 +23,9 @@ from .config import ConfigError, Settings
 from .conversations import Conversations
 from .errors import Rejected
 from .hub import Hub
+from .presence import Presence
 from .redis.backend import Backend
+from .redis.presence import PresenceStore
 from .redis.store import Store
 from .retention import Retention
 from .tickets import Tickets
@@ -67,6 +69,7 @@ class Gateway:
         self.hub: Hub
         self.conversations: Conversations
         self.tickets: Tickets
+        self.presence: Presence
         self.tokens = TokenCache(settings.secret)
         self.sessions: dict[str, set[Connection]] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -81,7 +84,10 @@ class Gateway:
         self.hub = Hub(self.backend, self.store, on_unavailable=self._backend_unavailable)
         self.conversations = Conversations(self.store, self.settings)
         self.tickets = Tickets(self.backend)
+        self.presence = Presence(PresenceStore(self.store.pipeline, self.settings.presence_ttl),
+                                 self.settings)
         await self.hub.start()
+        await self.presence.start()
         moved = await self.store.migrate_lists()
         if moved:
             log.info("moved %d conversation lists to the per-user key layout", moved)
@@ -103,6 +109,8 @@ class Gateway:
             self._retention.cancel()
         for companion in reversed(self._running):
             await companion.stop()
+        with contextlib.suppress(Exception):
+            await self.presence.stop()
         # Give the close frames a moment to leave before the sockets go.
         with contextlib.suppress(Exception):
             await asyncio.sleep(0.05)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,8 @@ from .events import now_ms
 from .frames import Frame, json_to_msgpack
 from .metrics import COUNTS
 from .redis.channels import CONFIRM_TIMEOUT, wait_shared
+from .redis.envelope import except_connection
+from .redis.keys import room_channel
 from .redis.records import Meta
 from .rooms import Seat
 from .streams import snapshot
@@ -73,8 +76,8 @@ class Subscription(Seat):
     """One chat of this connection: its seat in the room (its cursor: the last durable seq
     sent, stale while direct), its state, and the frames it holds back."""
 
-    __slots__ = ("buffer", "buffer_bytes", "create", "overflowed", "pending", "resync", "state",
-                 "unsubscribed_at")
+    __slots__ = ("buffer", "buffer_bytes", "create", "overflowed", "pending", "presence_held",
+                 "presence_v", "present", "resync", "state", "typed_at", "unsubscribed_at")
 
     def __init__(self, session: Session) -> None:
         super().__init__(session, session.out.write, session.binary)
@@ -86,6 +89,12 @@ class Subscription(Seat):
         self.overflowed = False
         self.resync = False  # the history changed under a read in flight: read again
         self.create = True  # subscribed with create: a resync may create it again too
+        self.present = False  # in the conversation's presence list (gateway.presence)
+        # The version of the last presence list sent (0: none since the last subscribe),
+        # and the newest presence frame held until the snapshot goes out.
+        self.presence_v = 0
+        self.presence_held: tuple[int, Frame] | None = None
+        self.typed_at = -math.inf  # when the last `typing` of this chat went out
 
 
 class Session:
@@ -151,7 +160,7 @@ class Session:
             heartbeat_interval=s.heartbeat,
             limits=p.Limits(s.max_frame_bytes, s.max_text_bytes, s.max_subscriptions,
                             s.replay_limit, s.rate_limit, s.buffer_max_frames,
-                            s.buffer_max_bytes, s.buffer_ttl),
+                            s.buffer_max_bytes, s.buffer_ttl, s.typing_interval),
         )
         write = self.out.write
         if head and write is not None:
@@ -510,6 +519,8 @@ class Session:
                 self._send(await self.gateway.conversations.switch(self.principal, frame))
             case p.ToolResult():
                 self._send(await self.gateway.conversations.answer(self.principal, frame))
+            case p.Typing():
+                await self._typing(frame)
         self._bad_frames = 0
 
     # --- subscriptions ----------------------------------------------------------------
@@ -551,13 +562,30 @@ class Session:
             self._drop(chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
+        presence = await self._present(chat_id, sub)
         self._send(p.Subscribed(chat_id, meta.epoch, meta.seq, True, 0,
-                                _snapshot(meta, self.codec.binary, children=children), req.id))
+                                _snapshot(meta, self.codec.binary, children=children,
+                                          presence=presence), req.id))
+        self._presence_sent(sub, presence.v)
 
     async def _state(self, chat_id: str) -> tuple[Meta | None, list[p.ChildSummary]]:
         """The conversation's state and its children, read in one batch."""
         return await asyncio.gather(self.gateway.store.meta(chat_id),
                                     self.gateway.conversations.children(chat_id))
+
+    async def _present(self, chat_id: str, sub: Subscription) -> p.PresenceList:
+        """Join the conversation's presence (once the subscriber may read it); the list.
+        A service's connection reads it without joining."""
+        presence = self.gateway.presence
+        if self.principal.role == "service":
+            return await presence.read(chat_id)
+        sub.present = True
+        return await presence.join(chat_id, self.principal.user_id, self.id)
+
+    def _absent(self, chat_id: str, sub: Subscription) -> None:
+        if sub.present:
+            sub.present = False
+            self.gateway.presence.leave(chat_id, self.principal.user_id, self.id)
 
     def _reset_to_syncing(self, chat_id: str, sub: Subscription) -> None:
         self._leave_direct(chat_id, sub)
@@ -587,6 +615,7 @@ class Session:
             self._drop(chat_id)
             self._error(exc.code, exc.message, req)
             return
+        presence = await self._present(chat_id, sub)
         meta, cursor = caught.meta, caught.cursor
         log.debug("subscribed at seq %d, %d replayed, recovered: %s", meta.seq,
                   len(caught.replay), caught.recovered)
@@ -595,9 +624,10 @@ class Session:
         COUNTS.snapshots += len(caught.streams)
         self._send(p.Subscribed(
             chat_id, meta.epoch, meta.seq, caught.recovered, len(caught.replay),
-            _snapshot(meta, self.codec.binary, snapshot(caught.streams), children), req.id,
-            overflowed=overflowed,
+            _snapshot(meta, self.codec.binary, snapshot(caught.streams), children, presence),
+            req.id, overflowed=overflowed,
         ))
+        self._presence_sent(sub, presence.v)
         await self._send_paced(caught.replay)
         while sub.pending:  # frames that arrived while we awaited
             held, sub.pending = sub.pending, []
@@ -625,10 +655,13 @@ class Session:
             self._drop(req.chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
+        presence = await self._present(req.chat_id, sub)
         COUNTS.replays[True, False] += 1
         self._send(p.Subscribed(req.chat_id, meta.epoch, meta.seq, True, 0,
-                                _snapshot(meta, self.codec.binary, children=children), req.id,
+                                _snapshot(meta, self.codec.binary, children=children,
+                                          presence=presence), req.id,
                                 buffered=len(sub.pending), overflowed=False))
+        self._presence_sent(sub, presence.v)
         while sub.pending:
             frames, sub.pending = sub.pending, []
             for frame in frames:
@@ -645,12 +678,15 @@ class Session:
             self._leave_direct(req.chat_id, sub)
             sub.state = State.BUFFERING
             sub.unsubscribed_at = time.monotonic()
+            sub.presence_v, sub.presence_held = 0, None
+            self._absent(req.chat_id, sub)
         self._send(p.Unsubscribed(req.chat_id, req.id))
 
     def _drop(self, chat_id: str) -> None:
         sub = self.subs.get(chat_id)
         if sub is not None:
             self._leave_direct(chat_id, sub)
+            self._absent(chat_id, sub)
             del self.subs[chat_id]
             self.hub.leave(chat_id, self)
 
@@ -687,6 +723,30 @@ class Session:
     def deliver_feed(self, frame: Frame) -> None:
         self._send_frame(frame)
 
+    def deliver_signal(self, chat_id: str, frame: Frame, skip: str, version: int) -> None:
+        """A presence list newer than the last one sent (held until the snapshot is out),
+        or another connection's ``typing``; nothing while unsubscribed."""
+        sub = self.subs.get(chat_id)
+        if sub is None or sub.state is State.BUFFERING or skip == self.id:
+            return
+        if not version:  # typing: to subscriptions the client has heard of
+            if sub.presence_v:
+                self._send_frame(frame)
+        elif not sub.presence_v:
+            if sub.presence_held is None or version > sub.presence_held[0]:
+                sub.presence_held = (version, frame)
+        elif version > sub.presence_v:
+            sub.presence_v = version
+            self._send_frame(frame)
+
+    def _presence_sent(self, sub: Subscription, version: int) -> None:
+        """The snapshot with presence ``version`` went out: a newer list held goes next."""
+        sub.presence_v = max(sub.presence_v, version, 1)
+        held, sub.presence_held = sub.presence_held, None
+        if held is not None and held[0] > sub.presence_v:
+            sub.presence_v = held[0]
+            self._send_frame(held[1])
+
     # --- writes -----------------------------------------------------------------------
 
     async def _message(self, req: p.Message) -> None:
@@ -695,9 +755,31 @@ class Session:
     async def _cancel(self, req: p.Cancel) -> None:
         self._send(await self.gateway.conversations.cancel(self.principal, req))
 
+    async def _typing(self, req: p.Typing) -> None:
+        """``typing`` to the conversation's other subscribers, on every process: at most
+        one per ``typing_interval`` per chat from this connection (the reply says whether
+        it went out), never stored."""
+        sub = self.subs.get(req.chat_id)
+        if sub is None or sub.state is State.BUFFERING:
+            self._error("not_subscribed", "subscribe to the conversation first", req)
+            return
+        now = time.monotonic()
+        if now - sub.typed_at < self.settings.typing_interval:
+            self._send(p.Typed(req.chat_id, False, req.id))
+            return
+        sub.typed_at = now
+        frame = _encode_json(p.TypingFrame(req.chat_id, self.principal.user_id, now_ms()))
+        await self.gateway.store.pipeline.execute(
+            "SPUBLISH", room_channel(req.chat_id), except_connection(self.id, frame))
+        self._send(p.Typed(req.chat_id, True, req.id))
+
+
+_encode_json = msgspec.json.Encoder().encode
+
 
 def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None = None,
-              children: list[p.ChildSummary] | None = None) -> p.Snapshot:
+              children: list[p.ChildSummary] | None = None,
+              presence: p.PresenceList | None = None) -> p.Snapshot:
     goal = None
     if meta.goal:
         # The goal is stored as JSON; a Raw is spliced into the output as is, so a
@@ -720,6 +802,7 @@ def _snapshot(meta: Meta, binary: bool, streams: list[p.StreamSnapshot] | None =
         state=state,
         awaiting=msgspec.json.decode(meta.awaiting) if meta.awaiting else msgspec.UNSET,
         agent=meta.agent,
+        presence=msgspec.UNSET if presence is None else presence,
     )
 
 

@@ -104,6 +104,9 @@ class SseMember:
     def deliver_feed(self, frame: Frame) -> None:
         """Never joined to a feed: conversation-list frames are WebSocket-only."""
 
+    def deliver_signal(self, chat_id: str, frame: Frame, skip: str, version: int) -> None:
+        """Presence and typing are WebSocket-only."""
+
     def resync(self, chat_id: str) -> None:
         """History lost: end the response; the reconnect gets ``event: reset``."""
         if not self.overflowed:

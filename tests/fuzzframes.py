@@ -53,7 +53,8 @@ VALID = frozenset({"valid"})
 # The replies of a valid frame, and the refusals it may get instead (protocol.md, per type).
 REPLIES = {"subscribe": "subscribed", "unsubscribe": "unsubscribed", "leave": "left",
            "message": "ack", "cancel": "ack", "ping": "pong",
-           "retry": "ack", "edit": "ack", "undo": "ack", "switch": "ack", "tool_result": "ack"}
+           "retry": "ack", "edit": "ack", "undo": "ack", "switch": "ack", "tool_result": "ack",
+           "typing": "typed"}
 # Any tree operation (a message is one) may meet another head than it expects, a running
 # turn, or nodes that name nothing (protocol.md, "Tree operations").
 _TREE = {"forbidden", "not_found", "conflict", "turn_in_progress", "not_on_path",
@@ -66,6 +67,8 @@ REFUSALS = {
     "retry": _TREE, "undo": _TREE, "switch": _TREE, "edit": {"text_too_long", *_TREE},
     # An answer to a client tool: nothing awaits it (conflict), or it does not fit.
     "tool_result": {"invalid_request", *_TREE},
+    # Typing into a chat this connection holds no subscription to.
+    "typing": {"not_subscribed"},
 }
 REPLY_TYPES = frozenset({*REPLIES.values(), "error"})
 

@@ -189,6 +189,11 @@ async def test_msgpack_subprotocol_speaks_the_same_schema(
         await js.send({"type": "subscribe", "chat_id": chat_id, "id": 1})
         js_sub_d = msgspec.json.decode(await raw_frame(js))
         assert mp_sub_d["type"] == "subscribed" and mp_sub_d["id"] == 1
+        # The second connection's list has both (a newer version): the same shape.
+        mp_present, js_present = (d["snapshot"].pop("presence") for d in (mp_sub_d, js_sub_d))
+        assert mp_present["users"] == [{"user_id": user, "connections": 1}]
+        assert js_present["users"] == [{"user_id": user, "connections": 2}]
+        assert js_present["v"] > mp_present["v"] and mp_present.keys() == js_present.keys()
         assert mp_sub_d == js_sub_d
         await plain.subscribe(chat_id)
 

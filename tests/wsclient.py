@@ -13,8 +13,9 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 Frame = dict[str, Any]
-# Frames most tests do not care about: the conversation feed arrives on every connection.
-FEED = frozenset({"conversation"})
+# Frames most tests do not care about: the conversation feed arrives on every connection,
+# and who is connected to a subscribed conversation (presence) comes and goes with tests.
+FEED = frozenset({"conversation", "presence", "typing"})
 
 
 class Client:

@@ -15,6 +15,9 @@ traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``:
     c:{chat}:idem:<key>  first result of an idempotent publish or message (TTL)
     c:{chat}:children    sorted set: the conversation's sub-conversations by creation (ms)
     c:{chat}:ev          sharded pub/sub channel of the room
+    c:{chat}:presence    sorted set: who is connected now, one member per connection or
+                         agent worker, scored by when it lapses (lua/presence.lua; TTL)
+    c:{chat}:presence:v  the presence list's version (TTL)
     {u:<user>}:feed      sharded pub/sub channel of a user's conversation feed
     {u:<user>}:convs     sorted set: the user's conversations by last change
     wst:<sha256>         a WebSocket connection ticket: who it stands for (TTL, used once)
@@ -59,6 +62,14 @@ def idem_key(chat_id: str, key: str) -> str:
 
 def children_key(chat_id: str) -> str:
     return f"c:{{{chat_id}}}:children"
+
+
+def presence_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:presence"
+
+
+def presence_version_key(chat_id: str) -> str:
+    return f"c:{{{chat_id}}}:presence:v"
 
 
 def room_channel(chat_id: str) -> str:

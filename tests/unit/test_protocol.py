@@ -181,7 +181,7 @@ def test_hello_carries_the_protocol_version_and_the_limits(codec: p.Codec) -> No
         "heartbeat_interval": 25.0, "protocol": "v1",
         "limits": {"max_frame_bytes": 65536, "max_text_bytes": 32768, "max_subscriptions": 256,
                    "replay_limit": 1000, "rate_limit": 50.0, "buffer_max_frames": 1000,
-                   "buffer_max_bytes": 1048576, "buffer_ttl": 900.0},
+                   "buffer_max_bytes": 1048576, "buffer_ttl": 900.0, "typing_interval": 2.0},
     }
 
 
