@@ -448,8 +448,8 @@ async def chat(request: Request) -> Response:
         req, extra = parse_request(body)
         logs.about_chat(req.id)
         conversations = gateway.conversations
-        if req.trigger == "regenerate-message":
-            meta = await _conversation(gateway, who, req.id, req.agent)
+        if req.trigger == "regenerate-message":  # an answer to regenerate: it must exist
+            meta = check_access(who, await gateway.store.meta(req.id), req.id)
             ack = await conversations.retry(who, p.Retry(req.id))
             assert ack.turn_id is not None and ack.seq is not None
             after = ack.seq - 1  # the new turn_start's

@@ -460,6 +460,8 @@ async def test_bad_requests_get_the_apis_errors(gateway: Any, user: str, chat_id
                  "parts": [{"type": "file", "url": "data:,", "mediaType": "image/png"}]}
         await refused(400, "invalid_request", payload={"id": chat_id, "messages": [image]})
         await refused(401, "unauthorized", payload=body(chat_id, "x"), who={})
+        await refused(404, "not_found", payload={"id": chat_id, "messages": [],
+                                                 "trigger": "regenerate-message"})
         # Someone else's conversation: every route refuses.
         await http.post("/v1/conversations", json={"chat_id": chat_id},
                         headers=gateway.headers(other))
