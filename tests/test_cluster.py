@@ -21,7 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from websockets.exceptions import ConnectionClosed
 
 from gateway.config import Settings
-from gateway.redis.keys import room_channel
+from gateway.redis.keys import presence_key, room_channel
 from gateway.sdk.agent import AgentWorker, Handler, Turn
 
 from .cluster import ValkeyCluster
@@ -178,6 +178,36 @@ async def test_chats_on_every_shard_reach_both_gateways(
                     counts = client.pubsub_shardnumsub(*(room_channel(c) for c in group))
                 subscribed = [int(n) for _, n in counts]
                 assert subscribed == [2 if node.port == port else 0] * len(group), node.port
+
+
+async def test_presence_and_typing_on_every_shard(
+        pair: list[GatewayProcess], cluster: ValkeyCluster) -> None:
+    """Presence lives in each conversation's own slot, and its frames and typing cross
+    the two gateways on every shard."""
+    a, b = pair
+    chats = [c for group in chats_on_every_shard(cluster, per_shard=1).values() for c in group]
+    user = "here-" + uuid.uuid4().hex[:6]
+    async with connect(a.url(user)) as on_a, connect(b.url(user)) as on_b:
+        for chat in chats:
+            first = await on_a.subscribe(chat)
+            assert first["snapshot"]["presence"]["users"] == [{"user_id": user,
+                                                               "connections": 1}]
+            second = await on_b.subscribe(chat)
+            assert second["snapshot"]["presence"]["users"] == [{"user_id": user,
+                                                                "connections": 2}]
+            await on_a.wait_for(lambda f, c=chat: f["type"] == "presence" and f["chat_id"] == c
+                                and f["users"] == [{"user_id": user, "connections": 2}])
+            with cluster.primary_of(presence_key(chat)).client() as client:
+                assert client.zcard(presence_key(chat)) == 2
+            await on_b.send({"type": "typing", "chat_id": chat})
+            assert (await on_b.expect("typed"))["sent"] is True
+            typed = await on_a.wait_for(lambda f, c=chat: f["type"] == "typing"
+                                        and f["chat_id"] == c)
+            assert typed["user_id"] == user
+        await on_b.close()
+        for chat in chats:
+            await on_a.wait_for(lambda f, c=chat: f["type"] == "presence" and f["chat_id"] == c
+                                and f["users"] == [{"user_id": user, "connections": 1}])
 
 
 async def test_children_on_other_shards_than_their_parent(

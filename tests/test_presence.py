@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,8 +21,11 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, Settings, load_settings
+from gateway.sdk.agent import Turn
+from gateway.sdk.client import Event, GatewayClient, PresenceChange, RequestError, Typing
 
-from .steps import create, history, publish
+from .steps import create, history, publish, send_message
+from .test_agent import agent_worker
 from .wsclient import Client, connect
 
 pytestmark = pytest.mark.anyio
@@ -237,6 +241,84 @@ async def test_typing_needs_a_subscription(pair: tuple[Any, Any], user: str,
         await ws.expect("error", code="not_subscribed", id=2)
         await ws.send({"type": "typing", "chat_id": "bad id", "id": 3})
         await ws.expect("error", code="invalid_frame", id=3)
+
+
+async def test_an_agent_is_present_while_it_runs_a_turn(pair: tuple[Any, Any], redis_url: str,
+                                                       group: str, user: str,
+                                                       chat_id: str) -> None:
+    a, b = pair
+    name = "presence-" + uuid.uuid4().hex[:8]  # an agent of its own: no other worker runs it
+    async with httpx.AsyncClient(base_url=a.http) as http:
+        made = await http.post("/v1/conversations", headers=a.headers(user),
+                               json={"chat_id": chat_id, "agent": name})
+        assert made.status_code == 201, made.text
+    release = asyncio.Event()
+
+    async def handler(turn: Turn) -> None:
+        await release.wait()
+        await turn.message("done")
+
+    settings = Settings(redis_url=redis_url, presence_ttl=TTL, presence_window=WINDOW)
+    async with agent_worker(redis_url, handler, group, settings, name=name), \
+            subscribed(b, user, chat_id) as (ws, snap):
+        assert snap["snapshot"]["presence"]["agents"] == []
+        await send_message(ws, chat_id, "hello")
+        here = await presence_where(ws, chat_id, lambda f: agents(f) == {name: 1})
+        assert users(here) == {user: 1}
+        async with httpx.AsyncClient(base_url=a.http) as http:
+            listed = await http.get(f"/v1/conversations/{chat_id}/presence",
+                                    headers=a.headers(user))
+            assert listed.json()["agents"] == [{"name": name, "workers": 1}]
+        # It stays while the turn runs past a TTL (the worker renews it).
+        await asyncio.sleep(TTL * 1.5)  # time passing is the point here, not an event
+        listed_later = await http_presence(a, user, chat_id)
+        assert listed_later["agents"] == [{"name": name, "workers": 1}]
+        release.set()
+        await presence_where(ws, chat_id, lambda f: agents(f) == {})
+
+
+async def test_the_python_client_reads_presence_and_sends_typing(
+        pair: tuple[Any, Any], user: str, chat_id: str) -> None:
+    a, b = pair
+    await create(a, user, chat_id)
+    async with GatewayClient(a.ws, token=a.token("svc", "service")) as watch, \
+            GatewayClient(b.ws, token=b.token(user)) as person:
+        await watch.subscribe(chat_id)
+        assert watch.presence(chat_id) is not None
+        with pytest.raises(RequestError) as refused:
+            await person.send_typing(chat_id)
+        assert refused.value.code == "not_subscribed"
+        await person.subscribe(chat_id)
+        mine = person.presence(chat_id)
+        assert mine is not None and [(u.user_id, u.connections) for u in mine.users] == [(user, 1)]
+        signals = watch.signals()
+        async with asyncio.timeout(5):
+            while True:
+                change = await anext(signals)
+                if isinstance(change, PresenceChange) and change.presence.users:
+                    break
+        assert watch.presence(chat_id) == change.presence
+        assert await person.send_typing(chat_id) is True
+        assert await person.send_typing(chat_id) is False  # within the interval: not sent
+        async with asyncio.timeout(5):
+            while not isinstance(typed := await anext(signals), Typing):
+                pass
+        assert (typed.chat_id, typed.user_id) == (chat_id, user)
+        assert watch.typing(chat_id) == [user]
+        assert person.typing(chat_id) == []  # its own user is not "someone typing"
+        await person.send_message(chat_id, "sent")
+        async for item in watch.events(chat_id):
+            if isinstance(item, Event) and item.type == "user_message":
+                break
+        assert watch.typing(chat_id) == []  # the message is what was typed
+
+
+async def http_presence(gw: Any, user: str, chat_id: str) -> Frame:
+    async with httpx.AsyncClient(base_url=gw.http) as http:
+        reply = await http.get(f"/v1/conversations/{chat_id}/presence", headers=gw.headers(user))
+        assert reply.status_code == 200, reply.text
+        found: Frame = reply.json()
+        return found
 
 
 async def test_settings_refuse_a_window_past_the_ttl() -> None:

@@ -70,6 +70,7 @@ from ..protocol import ClientTool
 from ..redis.agent_inbox import AgentInbox
 from ..redis.agent_registry import RENEW_EVERY, AgentKind, AgentRegistry
 from ..redis.backend import Backend, Client
+from ..redis.presence import PresenceStore, agent_entry
 from ..redis.records import Meta, OutEvent, Published
 from ..redis.store import Store
 from .context import Message, messages_of, window
@@ -448,6 +449,9 @@ class AgentWorker:
         self.name = name or settings.default_agent
         self.kind: AgentKind = kind
         self.registry = AgentRegistry(self.store.pipeline)
+        # While it runs a turn, the worker is in the conversation's presence list.
+        self.presence = PresenceStore(self.store.pipeline, settings.presence_ttl)
+        self._present: set[str] = set()  # chats this worker runs a turn in now
         self.keys = AgentInbox(self.store).keys(self.name)
         # Keys one call may name together: all of them on one server; on a cluster, where
         # each partition has a slot of its own, one each.
@@ -479,7 +483,9 @@ class AgentWorker:
         await self.registry.announce(self.name, self.kind, self.consumer)
         tails = await self._inbox_tails()  # before any turn runs, so no cancel is missed
         await self._resume_own()
-        self._loops = [asyncio.create_task(self._maintain(), name=f"agent-claim-{self.consumer}")]
+        self._loops = [asyncio.create_task(self._maintain(), name=f"agent-claim-{self.consumer}"),
+                       asyncio.create_task(self._renew_presence(),
+                                           name=f"agent-presence-{self.consumer}")]
         for n, keys in enumerate(self._key_groups):
             self._loops += [
                 asyncio.create_task(self._read_loop(keys), name=f"agent-read-{self.consumer}-{n}"),
@@ -703,6 +709,31 @@ class AgentWorker:
             except (RedisError, OSError) as exc:
                 log.warning("inbox maintenance: %s", exc)
 
+    async def _renew_presence(self) -> None:
+        """Renew this worker's presence in the chats it runs a turn in, every third of
+        ``GATEWAY_PRESENCE_TTL``: a worker that dies leaves their lists within the TTL."""
+        while not self._closing:
+            await asyncio.sleep(self.settings.presence_ttl / 3)
+            entry = agent_entry(self.name, self.consumer)
+            for chat_id in list(self._present):
+                try:
+                    await self.presence.change(chat_id, add=[entry])
+                except (RedisError, OSError) as exc:
+                    log.warning("renewing presence in %s: %s", chat_id, exc)
+
+    async def _announce(self, chat_id: str, present: bool) -> None:
+        """This worker is in the chat's presence list while it runs a turn there; the
+        room is told at once (a failure only costs the list, never the turn)."""
+        entry = agent_entry(self.name, self.consumer)
+        if present:
+            self._present.add(chat_id)
+        else:
+            self._present.discard(chat_id)
+        try:
+            await self.presence.change(chat_id, *(([entry], []) if present else ([], [entry])))
+        except (RedisError, OSError) as exc:
+            log.warning("presence in %s: %s", chat_id, exc)
+
     async def _heartbeat(self) -> None:
         """XCLAIM our own in-flight entries (JUSTID: the delivery count stays) to reset
         their idle time, so a long turn is not taken over while it runs."""
@@ -772,6 +803,7 @@ class AgentWorker:
             if _cancel_requested(history.frames, turn.turn_id):
                 turn.cancel()
             failed: str | None = None
+            await self._announce(turn.chat_id, True)
             try:
                 await self.handler(turn)
             except TurnOver as exc:
@@ -791,6 +823,8 @@ class AgentWorker:
             self.stats["handled"] += 1
         finally:
             self._turns.pop(ident, None)
+            if turn.chat_id in self._present:
+                await self._announce(turn.chat_id, False)
 
 
 async def _cancel_and_wait(tasks: Iterable[asyncio.Task[None]], every: float,

@@ -78,6 +78,17 @@ markers). Use one style per chat. :meth:`GatewayClient.feed` yields the conversa
 frames (as dicts); the last ``feed_max`` are kept until read. When the client closes, the
 iterators drain what was received and then stop (or raise the terminal error).
 
+Who is here, who is typing
+--------------------------
+
+The client keeps each subscribed chat's presence list (``protocol.md``, "Presence and
+typing"): :meth:`GatewayClient.presence` is the newest (by ``v``) of the snapshot's and
+the ``presence`` frames', :meth:`GatewayClient.typing` the users typing now (heard within
+three ``typing_interval``s, not since sent their message). :meth:`GatewayClient.signals`
+yields each :class:`PresenceChange` and :class:`Typing` as it comes. Call
+:meth:`GatewayClient.send_typing` on every keystroke: it sends at most one ``typing`` per
+interval per chat.
+
 Conversations as trees
 ----------------------
 
@@ -114,9 +125,11 @@ from .items import (  # noqa: F401
     ChatItem,
     Ended,
     Event,
+    PresenceChange,
     Recovery,
     StreamReset,
     SubscribeResult,
+    Typing,
 )
 from .tree_ops import ANY_HEAD, KNOWN_HEAD, HeadChoice
 
@@ -133,6 +146,7 @@ __all__ = [
     "GatewayError",
     "HeadChoice",
     "HeadMove",
+    "PresenceChange",
     "Recovery",
     "RequestError",
     "Siblings",
@@ -141,4 +155,5 @@ __all__ = [
     "SubscribeResult",
     "TerminalError",
     "TreeNode",
+    "Typing",
 ]

@@ -15,7 +15,8 @@ from .items import SubscribeResult
 
 class Chat:
     __slots__ = ("agent", "buffered_gen", "create", "desired", "dropping", "epoch", "live_gen",
-                 "resyncing", "running", "seq", "streams", "tree", "waiters")
+                 "presence", "resyncing", "running", "seq", "streams", "tree", "typed_at",
+                 "typing", "waiters")
 
     def __init__(self) -> None:
         self.desired = False  # the application wants it subscribed (resubscribed on reconnect)
@@ -31,6 +32,9 @@ class Chat:
         self.create = True  # False: subscribe with create: false (not_found, never created)
         self.agent: str | None = None  # the agent that answers it, when a subscribe creates it
         self.running = False  # a turn runs: frames are expected (the watchdog listens closer)
+        self.presence: p.PresenceList | None = None  # who is connected: the highest v seen
+        self.typing: dict[str, float] = {}  # user id -> when (monotonic) their typing was heard
+        self.typed_at = -1e18  # when (monotonic) this client last sent `typing` here
 
 
 def check_chat_id(chat_id: str) -> None:

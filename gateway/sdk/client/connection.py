@@ -38,7 +38,7 @@ from ..streams import Applied
 from .chats import Chat
 from .errors import GatewayError, RequestError, TerminalError
 from .item_queue import ItemQueue
-from .items import Ended, Event, Recovery, StreamReset, SubscribeResult
+from .items import Ended, Event, PresenceChange, Recovery, StreamReset, SubscribeResult, Typing
 from .outbox import DEFAULT_LIMITS, Outbound, Outbox, write_loop
 from .requests import Request, Requests
 
@@ -314,8 +314,16 @@ class ConnectionLoop:
                 entry.future.set_result(msgspec.convert(frame, p.Ack))
         elif kind == "error":
             self._on_error(frame)
-        elif kind in ("unsubscribed", "left", "pong"):
+        elif kind in ("unsubscribed", "left", "pong", "typed"):
             self._requests.answer(rid, frame)
+        elif kind == "presence":
+            self._on_presence(frame)
+        elif kind == "typing":
+            chat = self._chats.get(str(frame.get("chat_id")))
+            if chat is not None and chat.desired and isinstance(frame.get("user_id"), str):
+                chat.typing[frame["user_id"]] = time.monotonic()
+                self._items.put_signal(Typing(frame["chat_id"], frame["user_id"],
+                                              int(frame.get("ts") or 0)))
         elif isinstance(kind, str) and isinstance(frame.get("chat_id"), str):
             self._on_event(conn, frame)
 
@@ -340,6 +348,8 @@ class ConnectionLoop:
                 chat.seq = since["seq"] if since is not None else result.seq
         chat.live_gen = conn.gen
         chat.running = result.snapshot.get("status") == "running"
+        if "presence" in result.snapshot:
+            self._on_presence({"chat_id": chat_id, **result.snapshot["presence"]}, snapshot=True)
         if "head" in result.snapshot:  # the head now, as of the reply's seq
             head = result.snapshot["head"]
             chat.tree.set_head(head if isinstance(head, str) else None, result.seq)
@@ -353,6 +363,24 @@ class ConnectionLoop:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(result)
+
+    def _on_presence(self, frame: dict[str, Any], snapshot: bool = False) -> None:
+        """A list newer than the one held (a snapshot's is the server's word now)."""
+        chat = self._chats.get(str(frame.get("chat_id")))
+        if chat is None or not chat.desired:
+            return
+        try:
+            listed = msgspec.convert(frame, p.PresenceList)
+        except msgspec.ValidationError:
+            log.warning("ignoring a malformed presence frame: %r", frame)
+            return
+        if not snapshot and chat.presence is not None and listed.v <= chat.presence.v:
+            return
+        chat.presence = listed
+        present = {user.user_id for user in listed.users}
+        for user_id in [u for u in chat.typing if u not in present]:
+            del chat.typing[user_id]
+        self._items.put_signal(PresenceChange(frame["chat_id"], listed))
 
     def _on_error(self, frame: dict[str, Any]) -> None:
         rid = frame.get("id")
@@ -417,6 +445,8 @@ class ConnectionLoop:
             chat.tree.apply(frame)
             if kind in ("turn_start", "turn_end"):
                 chat.running = kind == "turn_start"
+            elif kind == "user_message" and isinstance(frame.get("data"), dict):
+                chat.typing.pop(str(frame["data"].get("user_id")), None)  # it was sent
         else:
             seq = None
         self._items.put(chat_id, Event(chat_id, kind, seq, frame.get("ts"), frame.get("data"),

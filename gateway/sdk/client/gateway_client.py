@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -20,7 +21,7 @@ from .chats import Chat, check_chat_id
 from .connection import Conn, ConnectionLoop, TokenFactory
 from .errors import ClientClosed, GatewayError
 from .item_queue import ItemIterator, ItemQueue
-from .items import AnyItem, ChatItem, Ended, SubscribeResult
+from .items import AnyItem, ChatItem, Ended, Signal, SubscribeResult
 from .outbox import DEFAULT_LIMITS, Outbox, Outgoing
 from .requests import Request, Requests
 from .tree_ops import KNOWN_HEAD, ExpectedHead, op_frame
@@ -301,6 +302,49 @@ class GatewayClient(ConnectionLoop):
             self._conn.queue, Request("ping", None), {"type": "ping"})
         return int(pong["ts"])
 
+    def presence(self, chat_id: str) -> p.PresenceList | None:
+        """Who is connected to a subscribed chat now (users with their connections, agents
+        running a turn in it): the newest list received, None before the first."""
+        chat = self._chats.get(chat_id)
+        return chat.presence if chat is not None else None
+
+    def typing(self, chat_id: str, *, within: float | None = None) -> list[str]:
+        """The users typing in a chat now, other than this client's own: those heard from
+        within ``within`` seconds (default: three ``typing_interval``s), and not since
+        sent their message or gone from the presence list."""
+        chat = self._chats.get(chat_id)
+        if chat is None:
+            return []
+        if within is None:
+            within = 3 * self._typing_interval()
+        now, me = time.monotonic(), self.hello.get("user_id")
+        return sorted(u for u, at in chat.typing.items() if now - at <= within and u != me)
+
+    async def send_typing(self, chat_id: str) -> bool:
+        """Tell the chat's other connections the person is typing; call it on every
+        keystroke: at most one ``typing`` per ``typing_interval`` leaves (the others return
+        False at once). True when the gateway sent it on. Fails with
+        :class:`RequestError` ``not_subscribed`` for a chat not subscribed to, and with
+        :class:`ConnectionLost` when the connection drops first."""
+        check_chat_id(chat_id)
+        self._check_open()
+        chat = self._chats.get(chat_id)
+        now = time.monotonic()
+        if chat is not None and now - chat.typed_at < self._typing_interval():
+            return False
+        conn = self._conn
+        if conn is None:
+            return False  # typing is of the moment: not queued for a later connection
+        if chat is not None:
+            chat.typed_at = now
+        reply: dict[str, Any] = await self._requests.call(
+            conn.queue, Request("typing", chat_id), {"type": "typing", "chat_id": chat_id})
+        return bool(reply.get("sent"))
+
+    def _typing_interval(self) -> float:
+        limits = self.hello.get("limits") or {}
+        return float(limits.get("typing_interval", 2.0))
+
     def send_message(self, chat_id: str, text: str, client_msg_id: str | None = None,
                      data: dict[str, Any] | None = None) -> asyncio.Future[p.Ack]:
         """Queue a user message now; await the result for its ``ack``.
@@ -360,6 +404,13 @@ class GatewayClient(ConnectionLoop):
     def all_events(self) -> AsyncIterator[AnyItem]:
         """Every chat's items, in arrival order, :class:`Ended` markers included."""
         return ItemIterator(self._items.next_of_any)
+
+    def signals(self) -> AsyncIterator[Signal]:
+        """Who is here and who is typing, for every subscribed chat, in arrival order:
+        :class:`PresenceChange` (the whole list, newest ``v`` only) and :class:`Typing`
+        items; the last ``feed_max`` are kept until read. :meth:`presence` and
+        :meth:`typing` say the same without reading."""
+        return ItemIterator(self._items.next_of_signals)
 
     def feed(self) -> AsyncIterator[dict[str, Any]]:
         """The conversation feed: ``conversation`` frames for the user's conversations."""

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from .items import AnyItem, ChatItem, Ended
+from .items import AnyItem, ChatItem, Ended, Signal
 
 T = TypeVar("T")
 
@@ -21,6 +21,7 @@ class ItemQueue:
     def __init__(self, feed_max: int) -> None:
         self.chats: dict[str, deque[tuple[int, AnyItem]]] = {}
         self.feed: deque[dict[str, Any]] = deque(maxlen=feed_max)
+        self.signals: deque[Signal] = deque(maxlen=feed_max)
         self._order = itertools.count()
         self._waiters: list[asyncio.Future[None]] = []
         self.done = False
@@ -32,6 +33,10 @@ class ItemQueue:
 
     def put_feed(self, frame: dict[str, Any]) -> None:
         self.feed.append(frame)
+        self._wake()
+
+    def put_signal(self, signal: Signal) -> None:
+        self.signals.append(signal)
         self._wake()
 
     def finish(self, error: BaseException | None) -> None:
@@ -106,6 +111,15 @@ class ItemQueue:
             item = self.pop_any()
             if item is not None:
                 return item
+            if self.done:
+                self.end()
+            await self.wait()
+
+    async def next_of_signals(self) -> Signal:
+        """The oldest presence change or typing kept."""
+        while True:
+            if self.signals:
+                return self.signals.popleft()
             if self.done:
                 self.end()
             await self.wait()

@@ -1,5 +1,6 @@
 """What the application receives: the items of a chat's stream (:class:`Event`,
-:class:`StreamReset`, :class:`Recovery`, :class:`Ended`) and the replies to its calls
+:class:`StreamReset`, :class:`Recovery`, :class:`Ended`), who is here and typing
+(:class:`PresenceChange`, :class:`Typing`), and the replies to its calls
 (:class:`SubscribeResult`, :data:`Ack`)."""
 
 from __future__ import annotations
@@ -108,5 +109,25 @@ class SubscribeResult:
                    frame.get("buffered"), frame.get("overflowed"), frame)
 
 
+@dataclass(frozen=True, slots=True)
+class PresenceChange:
+    """Who is connected to a chat changed: ``presence`` is the whole list now (a newer
+    ``v`` than any before it)."""
+
+    chat_id: str
+    presence: p.PresenceList
+
+
+@dataclass(frozen=True, slots=True)
+class Typing:
+    """Another connection's person is typing in a chat (``user_id``: who; may be this
+    client's own user on another device)."""
+
+    chat_id: str
+    user_id: str
+    ts: int
+
+
+Signal = PresenceChange | Typing
 ChatItem = Event | Recovery | StreamReset
 AnyItem = Event | Recovery | StreamReset | Ended

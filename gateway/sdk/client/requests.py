@@ -20,7 +20,7 @@ _encode = msgspec.json.Encoder().encode
 
 @dataclass(slots=True)
 class Request:
-    kind: Literal["subscribe", "unsubscribe", "leave", "ping"]
+    kind: Literal["subscribe", "unsubscribe", "leave", "ping", "typing"]
     chat_id: str | None
     since: dict[str, Any] | None = None
     future: asyncio.Future[Any] | None = None
@@ -72,7 +72,7 @@ class Requests:
                 continue
             if req.kind in ("unsubscribe", "leave"):
                 req.future.set_result(None)
-            elif req.kind == "ping":
+            elif req.kind in ("ping", "typing"):
                 req.future.set_exception(ConnectionLost("connection lost"))
             else:
                 del self.waiting[rid]
