@@ -30,6 +30,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dev: bool = False  # dev mode: prints a token, serves the demo page
     demo_agent: bool = False  # run the demo agent inside the gateway (embedded default, dev)
     default_agent: str = "default"  # the agent that answers a conversation that names none
+    # A webhook for people who are away (gateway/webhook.py): where, and the signing key.
+    webhook_url: str = ""
+    webhook_secret: str = ""
+    webhook_timeout: float = 10.0  # seconds a receiver has to answer one delivery
     auto_create: bool = True  # subscribe/message to an unknown chat creates it
     # Seconds any Redis call may take (connect, or one reply) before it fails: a frozen
     # server fails requests and /readyz in bounded time instead of hanging them.
@@ -130,6 +134,11 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
                           f"and {_ENV_PREFIX}TYPING_INTERVAL seconds")
     if settings.wait_replicas < 0:
         raise ConfigError(f"{_ENV_PREFIX}WAIT_REPLICAS must not be negative")
+    if settings.webhook_url and len(settings.webhook_secret) < 16:
+        raise ConfigError(f"{_ENV_PREFIX}WEBHOOK_URL needs {_ENV_PREFIX}WEBHOOK_SECRET, "
+                          "16 characters or more: receivers check each delivery's signature")
+    if not settings.webhook_timeout > 0:
+        raise ConfigError(f"{_ENV_PREFIX}WEBHOOK_TIMEOUT must be positive")
     if not re.match(AGENT_NAME_PATTERN, settings.default_agent):
         raise ConfigError(f"{_ENV_PREFIX}DEFAULT_AGENT must match {AGENT_NAME_PATTERN}")
     for kind in settings.stream_types:

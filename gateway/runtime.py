@@ -29,6 +29,7 @@ from .redis.presence import PresenceStore
 from .redis.store import Store
 from .retention import Retention
 from .tickets import Tickets
+from .webhook import WebhookSender
 
 log = logging.getLogger("gateway")
 
@@ -94,7 +95,11 @@ class Gateway:
         self._sweeper = asyncio.create_task(self.conversations.run_turn_sweeper())
         if self.settings.conversation_ttl:
             self._retention = asyncio.create_task(Retention(self.store, self.settings).run())
-        for make in self.companions:
+        makers = list(self.companions)
+        if self.settings.webhook_url:
+            makers.append(lambda gateway: WebhookSender(
+                gateway.store.notify, gateway.settings, gateway.store.user_present))
+        for make in makers:
             companion = make(self)
             await companion.start()
             self._running.append(companion)

@@ -38,12 +38,11 @@ from importlib import resources
 from typing import Any, NamedTuple
 
 import msgspec
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS as SLOTS
-from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from ..config import Settings
 from .pipeline import Script
+from .slots import spread_tags
 from .store import Store
 
 log = logging.getLogger("gateway.inbox")
@@ -96,18 +95,8 @@ class Partition:
 
 @functools.cache
 def partitions(count: int) -> tuple[Partition, ...]:
-    """The ``count`` partitions: partition n's tag is the first ``"n.k"`` (k = 0, 1, ...)
-    whose slot lies in the n-th of ``count`` equal slot ranges."""
-    if not 0 < count <= SLOTS:
-        raise ValueError(f"inbox partitions must be 1-{SLOTS}, not {count}")
-    found = []
-    for n in range(count):
-        low, high = n * SLOTS // count, (n + 1) * SLOTS // count
-        k = 0
-        while not low <= key_slot(f"{n}.{k}".encode()) < high:
-            k += 1
-        found.append(Partition(f"{n}.{k}"))
-    return tuple(found)
+    """The ``count`` partitions, their tags spread over the slot space (:mod:`.slots`)."""
+    return tuple(Partition(tag) for tag in spread_tags(count))
 
 
 def inbox_partition(chat_id: str, count: int) -> int:

@@ -28,8 +28,10 @@ from .keys import (
     feed_channel,
     index_key,
     meta_key,
+    presence_key,
 )
 from .listing import ListFilter, Place
+from .notify_outbox import Notification, NotifyOutbox
 from .pipeline import AutoPipeline, settled
 from .records import History, Meta, OutEvent, PathPage, Published, Tree, TreeOp
 from .scripts import (
@@ -45,6 +47,18 @@ from .scripts import (
     TreeScript,
 )
 
+
+class _Reason(msgspec.Struct):
+    reason: str = "complete"
+
+
+class _Feed(msgspec.Struct):
+    preview: str | None = None
+    title: str | None = None
+
+
+_decode_reason = msgspec.json.Decoder(_Reason).decode
+_decode_feed = msgspec.json.Decoder(_Feed).decode
 
 class NotReplicated(Rejected):
     """Stored and published, but fewer replicas than ``GATEWAY_WAIT_REPLICAS`` confirmed it
@@ -105,6 +119,7 @@ class Store:
         self._tree = TreeScript()
         self._list = ListScript()
         self._streamed = frozenset(settings.stream_types)
+        self.notify = NotifyOutbox(self.pipeline, settings.inbox_partitions)
 
     async def publish(
         self,
@@ -143,6 +158,8 @@ class Store:
                     _observe_turn(result.ts, started_at)
             if result.listed and result.feed is not None:
                 await self._tell_owner(result.owner, result.feed, "ZADD", result.ts, chat_id)
+                if not result.duplicate:
+                    await self._notify_owner(chat_id, events, result)
             self.check_replicated(replicas, result)  # stored either way: list and feed tell it
             return result
         except Rejected as exc:
@@ -166,6 +183,33 @@ class Store:
             raise NotReplicated(f"stored, but {replicas} of {wanted} replicas confirmed within "
                                 f"{self.settings.wait_timeout_ms} ms; retry with the same "
                                 "idempotency key", result)
+
+    async def _notify_owner(self, chat_id: str, events: list[OutEvent],
+                            result: Published) -> None:
+        """A turn ended (or asks a person): a webhook for its owner, who may be away
+        (:mod:`gateway.webhook` checks), when some gateway delivers webhooks."""
+        ended = next((i for i, e in enumerate(events) if e.type == "turn_end"), None)
+        if ended is None or result.feed is None or not await self.notify.enabled():
+            return
+        if await self.user_present(chat_id, result.owner):
+            return  # they saw it live
+        seq = result.seqs[ended] if ended < len(result.seqs) else None
+        if seq is None:
+            return
+        reason = _decode_reason(events[ended].data).reason
+        feed = _decode_feed(result.feed)
+        await self.notify.enqueue(Notification(
+            f"{chat_id}:{result.epoch}:{seq}", result.owner, chat_id,
+            "awaiting_input" if reason == "awaiting_input" else "turn_end", seq, result.ts,
+            feed.preview, feed.title))
+
+    async def user_present(self, chat_id: str, user_id: str) -> bool:
+        """Whether ``user_id`` has a live connection to ``chat_id`` on any gateway process
+        (an entry of its presence list that has not lapsed)."""
+        prefix = f"u:{user_id}:".encode()
+        members = await self.pipeline.execute(
+            "ZRANGEBYSCORE", presence_key(chat_id), int(time() * 1000), "+inf")
+        return any(bytes(member).startswith(prefix) for member in members)
 
     async def _tell_owner(self, owner: str, feed: str, *list_change: Any) -> None:
         """Change the owner's conversation list (``ZADD``/``ZREM`` and its arguments) and

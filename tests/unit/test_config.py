@@ -123,3 +123,14 @@ def test_the_longest_stream_type_is_accepted() -> None:
 def test_an_override_of_the_wrong_type_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"\$\.port"):
         load_settings({}, port="eighty")
+
+
+def test_a_webhook_needs_a_secret_receivers_can_check() -> None:
+    with pytest.raises(ConfigError, match="GATEWAY_WEBHOOK_SECRET"):
+        load_settings({"GATEWAY_WEBHOOK_URL": "https://push.example/hook"})
+    with pytest.raises(ConfigError, match="GATEWAY_WEBHOOK_SECRET"):
+        load_settings({"GATEWAY_WEBHOOK_URL": "https://push.example/hook",
+                       "GATEWAY_WEBHOOK_SECRET": "short"})
+    settings = load_settings({"GATEWAY_WEBHOOK_URL": "https://push.example/hook",
+                              "GATEWAY_WEBHOOK_SECRET": "s" * 16})
+    assert settings.webhook_timeout == 10.0

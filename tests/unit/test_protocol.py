@@ -246,3 +246,15 @@ def test_usage_counts_keep_each_number_and_drop_the_rest() -> None:
     many = {f"n{i}": i for i in range(40)}
     assert list(p.usage_counts(many)) == [f"n{i}" for i in range(p.USAGE_NAMES_MAX)]
     assert p.usage_counts({"a": {"b": {}}, "c": []}) == {}
+
+
+def test_a_webhook_signature_is_the_hmac_of_timestamp_dot_body() -> None:
+    import hashlib
+    import hmac
+
+    from gateway.webhook import backoff_s, signature
+
+    body = b'{"id":"c:e:5"}'
+    mac = hmac.new(b"secret", b"1763712000." + body, hashlib.sha256).hexdigest()
+    assert signature("secret", 1763712000, body) == "v1=" + mac
+    assert [backoff_s(n) for n in (1, 2, 3, 10, 11, 20)] == [1, 2, 4, 512, 600, 600]
