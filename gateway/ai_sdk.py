@@ -15,48 +15,39 @@ survive reloads and network loss, every device in step, history, branches and us
 * ``POST /v1/ai-sdk/chat/{id}/stop``: cancels the running turn (a closed response never
   does).
 
-A turn's reply is read the way every reader reads a room (:mod:`~gateway.sync`): join,
-read the log from just before the turn's ``turn_start`` with its open streams, then the live
-frames merged by seq and stream position. :class:`TurnChunks` turns those events into UI
-message chunks; :class:`MessageBuilder` folds chunks into a ``UIMessage`` as the AI SDK
-does, so ``/messages`` shows what the stream showed.
+A turn's reply is read the way every reader reads a room (:func:`gateway.turn_reader.follow`,
+which the AG-UI door shares): join, read the log from just before the turn's ``turn_start``
+with its open streams, then the live frames merged by seq and stream position.
+:class:`TurnChunks` turns those events into UI message chunks; :class:`MessageBuilder`
+folds chunks into a ``UIMessage`` as the AI SDK does, so ``/messages`` shows what the
+stream showed.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
-from redis.exceptions import RedisError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute
 
 from . import logs
 from . import protocol as p
+from . import turn_reader as tr
 from .auth import Principal, check_access
-from .errors import ErrorBody, ErrorDetail, Rejected
-from .frames import Frame
-from .redis.records import Meta, OpenStream
-from .sse import SseMember
-from .sync import catch_up
+from .errors import Rejected
+from .turn_reader import Part, TurnParts
 
 if TYPE_CHECKING:
     from .runtime import Gateway
-
-log = logging.getLogger("gateway.ai_sdk")
 
 PREFIX = "/v1/ai-sdk/chat"
 # DefaultChatTransport sends every message of the chat each time: a long chat's body passes
 # the API's usual 1 MiB. Only the last message is read.
 MAX_BODY_BYTES = 8 << 20
-# Durable events one read of a turn may replay (a turn's tool calls, commits, notes).
-REPLAY_LIMIT = 10_000
-PATH_PAGE = 1000  # events per page when reading the active path
 HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
@@ -64,8 +55,7 @@ HEADERS = {
 }
 MEDIA_TYPE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
-PING = b": ping\n\n"
-PREFLIGHT_MAX_AGE = "600"
+EXPOSE = "x-vercel-ai-ui-message-stream"  # the reply header a page on another origin reads
 
 Chunk = dict[str, Any]
 _encode = msgspec.json.encode
@@ -138,57 +128,42 @@ class Stopped(msgspec.Struct, frozen=True):
 # --- events -> UI message chunks -------------------------------------------------------
 
 
-STREAM_KINDS = {"delta": "text", "reasoning_delta": "reasoning"}  # streamed type -> part
-COMMIT_KINDS = {"message": "text", "reasoning": "reasoning"}  # their commits
 CHAT_DATA = ("goal_state", "title", "state")  # conversation-level events sent as data parts
 FINISH_REASONS = {"complete": "stop", "awaiting_input": "tool-calls", "cancelled": "other",
                   "error": "error", "timeout": "error"}
 
 
-class Gap(Exception):
-    """A streamed piece past the next position: something was lost; read again."""
-
-
-class _Part:
-    __slots__ = ("id", "kind", "next_pos", "open", "text")
-
-    def __init__(self, kind: str, part_id: str) -> None:
-        self.kind = kind  # "text" | "reasoning"
-        self.id = part_id
-        self.text = ""  # what was sent of it
-        self.next_pos = 0  # the stream position of the next delta
-        self.open = True
-
-
-class TurnChunks:
+class TurnChunks(TurnParts):
     """One turn as UI message chunks, from its events in log order: durable events
     (:meth:`event`), streamed pieces (:meth:`piece`) and open streams whole
     (:meth:`snapshot`), each given once and in any mix a resume produces."""
 
-    def __init__(self, turn_id: str) -> None:
-        self.turn_id = turn_id
-        self.parts: dict[str, _Part] = {}
-        self.done = False
+    trailer = DONE
 
     def begin(self) -> list[Chunk]:
         return [{"type": "start", "messageId": self.turn_id}, {"type": "start-step"}]
 
-    def event(self, event: dict[str, Any], seq: int | None) -> list[Chunk]:
-        """A durable event of the conversation."""
-        if self.done:
-            return []
-        kind = event.get("type")
-        data = event.get("data")
-        data = data if isinstance(data, dict) else {}
-        node = event.get("node")
-        if node is None:
-            if kind in CHAT_DATA:
-                return [{"type": f"data-{kind}", "id": kind, "data": data}]
-            return []
-        if node != self.turn_id:
-            return []
-        if kind in COMMIT_KINDS:
-            return self._commit(COMMIT_KINDS[kind], data, seq)
+    def render(self, items: list[Chunk]) -> bytes:
+        return _sse(items)
+
+    def failure(self, message: str) -> list[Chunk]:
+        return [{"type": "error", "errorText": message}]
+
+    def opened(self, part: Part) -> list[Chunk]:
+        return [{"type": f"{part.kind}-start", "id": part.id}]
+
+    def wrote(self, part: Part, delta: str) -> list[Chunk]:
+        return [{"type": f"{part.kind}-delta", "id": part.id, "delta": delta}]
+
+    def closed(self, part: Part) -> list[Chunk]:
+        return [{"type": f"{part.kind}-end", "id": part.id}]
+
+    def chat_event(self, kind: str, data: dict[str, Any]) -> list[Chunk]:
+        if kind in CHAT_DATA:
+            return [{"type": f"data-{kind}", "id": kind, "data": data}]
+        return []
+
+    def turn_event(self, kind: str, data: dict[str, Any], seq: int | None) -> list[Chunk]:
         if kind == "tool_call" and isinstance(data.get("call_id"), str):
             return [{"type": "tool-input-available", "toolCallId": data["call_id"],
                      "toolName": str(data.get("name") or "tool"),
@@ -196,87 +171,10 @@ class TurnChunks:
         if kind == "tool_result" and isinstance(data.get("call_id"), str):
             return [{"type": "tool-output-available", "toolCallId": data["call_id"],
                      "output": data.get("result")}]
-        if kind == "turn_end":
-            return self._end(data)
         return []
 
-    def piece(self, kind: str, stream_id: str, pos: int, text: str) -> list[Chunk]:
-        """A streamed delta at ``pos`` of its stream (:class:`Gap` past the next one)."""
-        part_kind = STREAM_KINDS.get(kind)
-        if part_kind is None or self.done:
-            return []
+    def ended(self, data: dict[str, Any]) -> list[Chunk]:
         out: list[Chunk] = []
-        part = self.parts.get(stream_id)
-        if part is None:
-            if pos != 0:
-                raise Gap(stream_id)
-            part = self._start(part_kind, stream_id, out)
-        if not part.open or pos < part.next_pos:
-            return out
-        if pos > part.next_pos:
-            raise Gap(stream_id)
-        part.next_pos += 1
-        if text:
-            part.text += text
-            out.append({"type": f"{part.kind}-delta", "id": part.id, "delta": text})
-        return out
-
-    def snapshot(self, stream: OpenStream) -> list[Chunk]:
-        """An open stream whole: what of its text was not sent yet."""
-        part_kind = STREAM_KINDS.get(stream.type)
-        if part_kind is None or self.done or stream.turn_id != self.turn_id:
-            return []
-        out: list[Chunk] = []
-        part = self.parts.get(stream.id)
-        if part is None:
-            part = self._start(part_kind, stream.id, out)
-        if not part.open:
-            return out
-        if len(stream.text) > len(part.text) and stream.text.startswith(part.text):
-            rest = stream.text[len(part.text):]
-            part.text = stream.text
-            out.append({"type": f"{part.kind}-delta", "id": part.id, "delta": rest})
-        part.next_pos = max(part.next_pos, stream.pos)
-        return out
-
-    def discard(self, data: dict[str, Any]) -> list[Chunk]:
-        """``stream_discarded``: a redelivered turn streams anew; the old part ends."""
-        part = self.parts.get(str(data.get("stream_id")))
-        if part is None or not part.open or self.done:
-            return []
-        part.open = False
-        return [{"type": f"{part.kind}-end", "id": part.id}]
-
-    def _start(self, kind: str, part_id: str, out: list[Chunk]) -> _Part:
-        part = self.parts[part_id] = _Part(kind, part_id)
-        out.append({"type": f"{kind}-start", "id": part_id})
-        return part
-
-    def _commit(self, kind: str, data: dict[str, Any], seq: int | None) -> list[Chunk]:
-        stream_id = data.get("stream_id")
-        text = data.get("text")
-        text = text if isinstance(text, str) else ""
-        part_id = stream_id if isinstance(stream_id, str) else f"e{seq}"
-        out: list[Chunk] = []
-        part = self.parts.get(part_id)
-        if part is None:
-            part = self._start(kind, part_id, out)
-        elif not part.open:
-            return []
-        if len(text) > len(part.text) and text.startswith(part.text):
-            out.append({"type": f"{kind}-delta", "id": part_id,
-                        "delta": text[len(part.text):]})
-            part.text = text
-        part.open = False
-        out.append({"type": f"{kind}-end", "id": part_id})
-        return out
-
-    def _end(self, data: dict[str, Any]) -> list[Chunk]:
-        out: list[Chunk] = []
-        for part in self.parts.values():
-            if part.open:
-                part.open = False
-                out.append({"type": f"{part.kind}-end", "id": part.id})
         usage = data.get("usage")
         out.append({"type": "data-usage", "id": "usage",
                     "data": usage if isinstance(usage, dict) else {}})
@@ -290,7 +188,6 @@ class TurnChunks:
         elif reason == "cancelled":
             out.append({"type": "abort", "reason": "cancelled"})
         out.append({"type": "finish", "finishReason": FINISH_REASONS.get(reason, "other")})
-        self.done = True
         return out
 
 
@@ -367,15 +264,7 @@ def _chat_id(request: Request) -> str:
 
 
 async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise Rejected("payload_too_large", f"body is over {MAX_BODY_BYTES} bytes")
-    return bytes(body)
+    return await tr.read_body(request, MAX_BODY_BYTES)
 
 
 def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
@@ -400,36 +289,9 @@ def user_text(message: UIMessage) -> str:
     return "\n".join(texts)
 
 
-async def _conversation(gateway: Gateway, who: Principal, chat_id: str,
-                        agent: str | None) -> Meta:
-    """The conversation, created for ``who`` (answered by ``agent``) if it does not exist."""
-    meta = await gateway.store.meta(chat_id)
-    if meta is None:
-        try:
-            await gateway.conversations.create(who, chat_id, None, agent or "")
-        except Rejected as exc:
-            if exc.code != "conflict":  # made meanwhile, by this user or another
-                raise
-        meta = await gateway.store.meta(chat_id)
-    return check_access(who, meta, chat_id)
-
-
-def _error(status: int, code: str, message: str) -> Response:
-    return Response(_encode(ErrorBody(ErrorDetail(code, message))), status_code=status,
-                    media_type="application/json")
-
-
 async def _answered(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
-    """``work``'s response, or its refusal as every route gives it; with CORS headers
-    either way, so that a page on another origin can read the error too."""
-    try:
-        response = await work()
-    except Rejected as exc:
-        response = _error(exc.http_status, exc.code, exc.message)
-    except (RedisError, ConnectionError) as exc:
-        response = _error(503, "backend_unavailable", f"redis: {exc}")
-    allow_origin(request, response)
-    return response
+    """``work``'s response, or its refusal as every route gives it, with CORS headers."""
+    return await tr.answered(request, work, EXPOSE)
 
 
 # --- the routes ------------------------------------------------------------------------
@@ -465,7 +327,7 @@ async def chat(request: Request) -> Response:
             if data is not None and len(_encode(data)) > gateway.settings.max_frame_bytes:
                 raise Rejected("payload_too_large", "the app's own fields are over "
                                f"{gateway.settings.max_frame_bytes} bytes")
-            meta = await _conversation(gateway, who, req.id, req.agent)
+            meta = await tr.open_conversation(gateway, who, req.id, req.agent)
             ack = await conversations.post_message(who, p.Message(req.id, text, last.id, data))
             assert ack.turn_id is not None and ack.seq is not None
             after = ack.seq  # the user message's; a resend: the first one's
@@ -485,16 +347,13 @@ async def resume(request: Request) -> Response:
         if meta is None:
             return Response(status_code=204)  # a chat made up by the page, not posted yet
         check_access(who, meta, chat_id)
-        if meta.status != "running" or not meta.turn_id:
-            return Response(status_code=204)
-        tree = await gateway.store.tree(chat_id)
-        node = next((n for n in tree.nodes if n.id == meta.turn_id), None) if tree else None
-        if node is None:
-            return Response(status_code=204)  # ended and gone meanwhile
+        started = await tr.running_turn_start(gateway, chat_id, meta)
+        if started is None or not meta.turn_id:
+            return Response(status_code=204)  # none runs (or it ended and is gone meanwhile)
         if request.method == "HEAD":
             return Response(media_type=MEDIA_TYPE, headers=HEADERS)
         return _stream(request, gateway, who, chat_id, meta.turn_id,
-                       p.Since(node.seq - 1, meta.epoch))
+                       p.Since(started - 1, meta.epoch))
 
     return await _answered(request, work)
 
@@ -548,38 +407,29 @@ async def active_messages(gateway: Gateway, chat_id: str) -> list[OutMessage]:
     out: list[OutMessage] = []
     builders: dict[str, tuple[MessageBuilder, TurnChunks]] = {}
     current: tuple[MessageBuilder, TurnChunks] | None = None
-    after = 0
-    while True:
-        page = await store.active_path(chat_id, after, PATH_PAGE)
-        if page is None:
-            break
-        for raw in page.events:
-            event = _decode(raw)
-            kind, node = event.get("type"), event.get("node")
-            data = event.get("data") if isinstance(event.get("data"), dict) else {}
-            if kind == "user_message":
-                text = data.get("text") if isinstance(data.get("text"), str) else ""
-                message_id = data.get("client_msg_id") or data.get("msg_id") or node
-                out.append(OutMessage(str(message_id), "user",
-                                      [{"type": "text", "text": text}]))
-            elif kind == "turn_start" and isinstance(node, str):
-                builder, turn = MessageBuilder(node), TurnChunks(node)
-                builder.apply(turn.begin())
-                current = builders[node] = (builder, turn)
-                out.append(OutMessage(node, "assistant", builder.parts))
-            elif kind == "tool_result" and node is not None and node not in builders:
-                # A person's answer to a client tool: the asking turn's part gets it.
-                call_id = data.get("call_id")
-                for builder, _ in builders.values():
-                    if isinstance(call_id, str) and builder.answer(call_id, data.get("result")):
-                        break
-            elif current is not None and (node is None or node == current[1].turn_id):
-                current[0].apply(current[1].event(event, event.get("seq")))
-                if current[1].done:
-                    current = None
-        if not page.events or page.scanned >= page.meta.seq:
-            break
-        after = page.scanned
+    async for event in tr.path_events(gateway, chat_id):
+        kind, node, raw = event.get("type"), event.get("node"), event.get("data")
+        data: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        if kind == "user_message":
+            text = data.get("text") if isinstance(data.get("text"), str) else ""
+            message_id = data.get("client_msg_id") or data.get("msg_id") or node
+            out.append(OutMessage(str(message_id), "user",
+                                  [{"type": "text", "text": text}]))
+        elif kind == "turn_start" and isinstance(node, str):
+            builder, turn = MessageBuilder(node), TurnChunks(node)
+            builder.apply(turn.begin())
+            current = builders[node] = (builder, turn)
+            out.append(OutMessage(node, "assistant", builder.parts))
+        elif kind == "tool_result" and node is not None and node not in builders:
+            # A person's answer to a client tool: the asking turn's part gets it.
+            call_id = data.get("call_id")
+            for builder, _ in builders.values():
+                if isinstance(call_id, str) and builder.answer(call_id, data.get("result")):
+                    break
+        elif current is not None and (node is None or node == current[1].turn_id):
+            current[0].apply(current[1].event(event, event.get("seq")))
+            if current[1].done:
+                current = None
     if current is not None:
         builder, turn = current
         for stream in streams:
@@ -596,168 +446,22 @@ def _sse(chunks: list[Chunk]) -> bytes:
 
 def _stream(request: Request, gateway: Gateway, who: Principal, chat_id: str, turn_id: str,
             since: p.Since) -> Response:
-    return StreamingResponse(turn_stream(request, gateway, who, chat_id, turn_id, since),
+    return StreamingResponse(tr.follow(request, gateway, who, chat_id, since,
+                                       TurnChunks(turn_id)),
                              media_type=MEDIA_TYPE, headers=HEADERS)
 
 
-async def turn_stream(request: Request, gateway: Gateway, who: Principal, chat_id: str,
-                      turn_id: str, since: p.Since) -> AsyncIterator[bytes]:
-    """The turn ``turn_id`` as UI message chunks: its events after ``since`` (the log, then
-    live), until its ``turn_end``. A reader that falls behind, or a piece that shows a
-    gap, reads again from the last seq it sent: the chunks go on where they stopped."""
-    logs.bind(user_id=who.user_id, chat_id=chat_id)
-    hub, settings = gateway.hub, gateway.settings
-    turn = TurnChunks(turn_id)
-    yield _sse(turn.begin())
-    try:
-        while not turn.done:
-            member = SseMember(hub, settings.queue_max_bytes)
-            try:
-                await hub.join(chat_id, member)
-                try:
-                    caught = await catch_up(hub, chat_id, who, since, REPLAY_LIMIT, hub.mark())
-                except Rejected as exc:
-                    yield _sse([{"type": "error", "errorText": exc.message}])
-                    return
-                epoch = caught.meta.epoch
-                if not caught.recovered:
-                    yield _sse([{"type": "error", "errorText":
-                                 "This answer can no longer be read from the history."}])
-                    return
-                out: list[Chunk] = []
-                for frame in caught.replay:
-                    out += turn.event(_decode(frame.json), frame.seq)
-                for stream in caught.streams:
-                    out += turn.snapshot(stream)
-                if out:
-                    yield _sse(out)
-                cursor = caught.cursor
-                async for piece in _live(request, member, turn, cursor, who.expires_at,
-                                         settings.heartbeat):
-                    if piece is None:
-                        return  # the stream must end (token expired, deleted, left)
-                    yield piece
-                since = p.Since(cursor.last_seq, epoch)  # fell behind: read on from here
-            finally:
-                hub.leave(chat_id, member)
-        yield DONE
-    except (RedisError, ConnectionError, OSError, TimeoutError) as exc:
-        log.warning("ai-sdk stream %s: backend failure (%s); ending the stream", chat_id, exc)
-
-
-async def _live(request: Request, member: SseMember, turn: TurnChunks, cursor: Any,
-                expires_at: float | None, heartbeat: float
-                ) -> AsyncIterator[bytes | None]:
-    """Live frames as chunks until the turn ends (returns), the reader must read again
-    (returns), or the stream must end (yields None)."""
-    epoch = cursor.epoch
-    while not turn.done:
-        timeout = heartbeat
-        if expires_at is not None:
-            left = expires_at - time.time()
-            if left <= 0:
-                yield b": token expired\n\n"
-                yield None
-                return
-            timeout = min(timeout, left)
-        batch = await member.next_batch(timeout)
-        if batch is None:
-            if await request.is_disconnected():
-                yield None
-                return
-            yield PING
-            continue
-        out: list[Chunk] = []
-        again = False
-        for entry in batch:
-            if entry is None:  # fell behind, or the history was lost: read again
-                again = True
-                break
-            tagged, frame = entry
-            if frame.is_deleted:
-                out.append({"type": "error", "errorText": "The conversation was deleted."})
-                yield _sse(out)
-                yield None
-                return
-            if frame.seq is not None and (
-                    (tagged is not None and tagged != epoch) or frame.seq > cursor.last_seq + 1):
-                again = True  # another history, or a hole: the read tells which
-                break
-            if not cursor.admit(frame):
-                continue
-            try:
-                out += _frame_chunks(turn, frame)
-            except Gap:
-                again = True
-                break
-            if turn.done:
-                break
-        if out:
-            yield _sse(out)
-        if again:
-            return
-
-
-def _frame_chunks(turn: TurnChunks, frame: Frame) -> list[Chunk]:
-    event = _decode(frame.json)
-    if frame.stream is not None:
-        data = event.get("data")
-        text = data.get("text") if isinstance(data, dict) else None
-        return turn.piece(str(event.get("type")), frame.stream[0], frame.stream[1],
-                          text if isinstance(text, str) else "")
-    if frame.is_discard:
-        data = event.get("data")
-        return turn.discard(data if isinstance(data, dict) else {})
-    if frame.seq is not None:
-        return turn.event(event, frame.seq)
-    return []
-
-
-# --- CORS ------------------------------------------------------------------------------
-
-
-def _allowed(request: Request) -> str | None:
-    """The request's ``Origin`` when the operator allows it (GATEWAY_ALLOWED_ORIGINS)."""
-    origin = request.headers.get("origin")
-    if origin is None:
-        return None
-    allowed = _gateway(request).settings.allowed_origins
-    return origin if "*" in allowed or origin in allowed else None
+# --- CORS (gateway/turn_reader.py) ----------------------------------------------------------
 
 
 def allow_origin(request: Request, response: Response) -> None:
     """CORS headers on a reply to a page of an allowed origin."""
-    origin = _allowed(request)
-    response.headers.append("Vary", "Origin")
-    if origin is not None:
-        response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Access-Control-Allow-Credentials"] = "true"
-        response.headers["Access-Control-Expose-Headers"] = "x-vercel-ai-ui-message-stream"
-
-
-async def preflight(request: Request) -> Response:
-    """``OPTIONS``: a browser asks before a cross-origin request with a token or JSON."""
-    origin = _allowed(request)
-    if origin is None:
-        response = _error(403, "forbidden", "this origin is not allowed "
-                          "(GATEWAY_ALLOWED_ORIGINS)")
-        response.headers["Vary"] = "Origin"
-        return response
-    asked = request.headers.get("access-control-request-headers")
-    response = Response(status_code=204, headers={
-        "Access-Control-Allow-Origin": origin,
-        "Access-Control-Allow-Credentials": "true",
-        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-        "Access-Control-Allow-Headers": asked or "authorization, content-type",
-        "Access-Control-Max-Age": PREFLIGHT_MAX_AGE,
-        "Vary": "Origin, Access-Control-Request-Headers",
-    })
-    return response
+    tr.allow_origin(request, response, EXPOSE)
 
 
 def preflight_routes() -> list[BaseRoute]:
     """``OPTIONS`` on every route of the transport (not in the OpenAPI document: browsers
     send it, not clients)."""
-    return [Route(path, preflight, methods=["OPTIONS"], name=f"ai-sdk-preflight:{path}")
-            for path in (PREFIX, PREFIX + "/{chat_id}/stream", PREFIX + "/{chat_id}/messages",
-                         PREFIX + "/{chat_id}/stop")]
+    return tr.preflight_routes("ai-sdk", (PREFIX, PREFIX + "/{chat_id}/stream",
+                                          PREFIX + "/{chat_id}/messages",
+                                          PREFIX + "/{chat_id}/stop"))

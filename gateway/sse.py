@@ -78,6 +78,9 @@ class SseMember:
     """
 
     __slots__ = ("_hub", "_queue", "max_bytes", "overflowed", "queued_bytes")
+    # Ephemeral frames (but streamed deltas) are not queued; a subclass that reads them (an
+    # AG-UI reply's steps: gateway/turn_reader.py) says so.
+    takes_ephemeral = False
 
     def __init__(self, hub: Hub, max_bytes: int) -> None:
         self._hub = hub
@@ -89,8 +92,8 @@ class SseMember:
     def deliver(self, chat_id: str, frame: Frame) -> None:
         if self.overflowed:
             return
-        if (frame.seq is None and frame.stream is None and not frame.is_deleted
-                and not frame.is_discard):
+        if (not self.takes_ephemeral and frame.seq is None and frame.stream is None
+                and not frame.is_deleted and not frame.is_discard):
             return  # ephemeral: not sent over SSE
         size = frame.size
         if self.queued_bytes and self.queued_bytes + size > self.max_bytes:
