@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from . import __version__, ai_sdk, logs, sse, tools
+from . import __version__, ag_ui_frontend, ai_sdk, logs, sse, tools
 from . import protocol as p
 from .auth import AuthError, Principal, check_access
 from .errors import ErrorBody, ErrorDetail, Rejected
@@ -870,6 +870,27 @@ async def ai_sdk_stop(request: Request) -> Response:
     return await ai_sdk.stop(request)
 
 
+# --- AG-UI for frontends (gateway/ag_ui_frontend.py; protocol.md, "AG-UI for frontends") ---
+
+
+@API.operation(
+    "POST", ag_ui_frontend.PATH, summary="AG-UI: run the conversation's agent",
+    description="`RunAgentInput`, as an AG-UI client (`@ag-ui/client`'s `HttpAgent`) sends "
+    "it. `threadId` is the chat id: the conversation is created for the caller, answered "
+    "by `forwardedProps.agent`, if it does not exist. A new trailing user message becomes "
+    "a `message`, its id the `client_msg_id` (one already stored is not stored again); "
+    "`resume` (`interruptId`: the call id) or a trailing `tool` message answers the "
+    "client tool that awaits a person. The reply is AG-UI events over SSE: `RUN_STARTED`, "
+    "`MESSAGES_SNAPSHOT` of the active path, `STATE_SNAPSHOT`, the turn (or the running "
+    "one when nothing new was sent; none: the run finishes at once), then `RUN_FINISHED` "
+    "or `RUN_ERROR`. Closing it does not stop the turn. Refusals come before the stream.",
+    body=ag_ui_frontend.AgUiRunInput, reply=ag_ui_frontend.AgUiEvent, media_type=EVENT_STREAM,
+    errors=(400, 403, 404, 409, 413, 422, 503),
+)
+async def ag_ui_run(request: Request) -> Response:
+    return await ag_ui_frontend.run_endpoint(request)
+
+
 @API.operation(
     "POST", "/v1/ws-ticket", summary="A connection ticket for the WebSocket",
     description="Trades the bearer token for a ticket that opens one connection to "
@@ -958,4 +979,5 @@ exception_handlers = {
     ConnectionError: on_backend_error,
 }
 
-routes = API.routes() + ai_sdk.preflight_routes()  # CORS preflight: not in the document
+# CORS preflight: not in the document
+routes = API.routes() + ai_sdk.preflight_routes() + ag_ui_frontend.preflight_routes()

@@ -41,6 +41,7 @@ SEED = int(os.environ.get("GATEWAY_OPENAPI_SEED", "20260101"))
 STREAM = "/v1/conversations/{chat_id}/stream"  # never ends: checked below, not fuzzed
 # The AI SDK transport's streams last as long as a turn: checked below too, not fuzzed.
 AI_SDK_CHAT, AI_SDK_RESUME = "/v1/ai-sdk/chat", "/v1/ai-sdk/chat/{chat_id}/stream"
+AG_UI = "/v1/ag-ui"  # AG-UI for frontends: as long as a turn too
 USER, OTHER = "openapi-user", "openapi-other"
 STATUSES: dict[str, Counter[int]] = defaultdict(Counter)
 
@@ -85,7 +86,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # Built in-process from the route table; a test below checks the gateway serves the same.
 FULL = schemathesis.openapi.from_dict(msgspec.json.decode(document()),
                                       config=schemathesis.Config.from_dict(CONFIG))
-schema = FULL.exclude(path=[STREAM, AI_SDK_CHAT, AI_SDK_RESUME])
+schema = FULL.exclude(path=[STREAM, AI_SDK_CHAT, AI_SDK_RESUME, AG_UI])
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +192,36 @@ def test_the_ai_sdk_streams_refuse_and_open_as_documented(gateway: Any, user: st
                       timeout=10) as reply:  # the turn runs (no agent answers it)
         assert reply.status_code == 200 and reply.headers["content-type"].split(";")[0] in declared
         assert next(reply.iter_lines()).startswith('data: {"type":"start"')
+    stop = FULL["/v1/ai-sdk/chat/{chat_id}/stop"]["POST"].Case(path_parameters={"chat_id": chat_id})
+    reply = stop.call_and_validate(base_url=gateway.http, headers=mine, checks=CHECKS)
+    assert reply.status_code == 200 and reply.json()["turn_id"] is not None
+
+
+def test_the_ag_ui_stream_refuses_and_opens_as_documented(gateway: Any, user: str,
+                                                          chat_id: str) -> None:
+    """``POST /v1/ag-ui`` (not fuzzed: it lasts as long as a turn, and no agent answers
+    here): its refusals and its opening, against the document."""
+    run = FULL[AG_UI]["POST"]
+    message = {"id": "m1", "role": "user", "content": "hi"}
+    mine, theirs = gateway.headers(user), gateway.headers("someone-else")
+    good = {"threadId": chat_id, "runId": "r1", "messages": [message]}
+    for body, headers, status in [
+        ({**good, "messages": [{"id": "m1", "role": "user", "content": []}]}, mine, 400),
+        ({**good, "threadId": "bad id"}, mine, 422),
+        ({"runId": "r1", "messages": []}, mine, 422),
+        (good, {}, 401),
+    ]:
+        reply = run.Case(body=body).call_and_validate(base_url=gateway.http, headers=headers,
+                                                     checks=CHECKS)
+        assert reply.status_code == status, (body, reply.text)
+    declared = FULL.raw_schema["paths"][AG_UI]["post"]["responses"]["200"]["content"]
+    with httpx.stream("POST", gateway.http + AG_UI, headers=mine, timeout=10,
+                      json=good) as reply:  # the turn runs (no agent answers it)
+        assert reply.status_code == 200 and reply.headers["content-type"].split(";")[0] in declared
+        assert next(reply.iter_lines()).startswith('data: {"type":"RUN_STARTED"')
+    reply = run.Case(body={**good, "messages": []}).call_and_validate(
+        base_url=gateway.http, headers=theirs, checks=CHECKS)
+    assert reply.status_code == 403, reply.text
     stop = FULL["/v1/ai-sdk/chat/{chat_id}/stop"]["POST"].Case(path_parameters={"chat_id": chat_id})
     reply = stop.call_and_validate(base_url=gateway.http, headers=mine, checks=CHECKS)
     assert reply.status_code == 200 and reply.json()["turn_id"] is not None
