@@ -74,6 +74,7 @@ from . import logs
 from . import protocol as p
 from . import turn_reader as tr
 from .errors import Rejected
+from .redis.records import OpenStream
 from .turn_reader import Part, TurnParts
 
 if TYPE_CHECKING:
@@ -404,14 +405,14 @@ async def run_endpoint(request: Request) -> Response:
         stored = {str(e["data"].get("client_msg_id")) for e in events
                   if e.get("type") == "user_message" and isinstance(e.get("data"), dict)}
         conversations = gateway.conversations
-        new: Message | None = None
+        new: list[Message] = []
         answers = [(call, result) for call, result in _answers(run) if call not in answered]
         if answers:  # the first answer resumes the turn; the rest stand unanswered
             call_id, result = answers[0]
             ack = await conversations.answer(who, p.ToolResult(chat_id, call_id, result))
             assert ack.turn_id is not None and ack.seq is not None
-            new = ToolMessage(id=f"e{ack.seq}", tool_call_id=call_id,
-                              content=_result_text(result))
+            new = [ToolMessage(id=f"e{ack.seq}", tool_call_id=call_id,
+                               content=_result_text(result))]
             turn_id, since = ack.turn_id, ack.seq  # the tool_result's; its turn_start next
         elif isinstance(last, UserMessage) and last.id not in stored:
             if len(last.id) > 128:
@@ -419,7 +420,7 @@ async def run_endpoint(request: Request) -> Response:
             ack = await conversations.post_message(
                 who, p.Message(chat_id, text, last.id, data))
             assert ack.turn_id is not None and ack.seq is not None
-            new = UserMessage(id=last.id, content=text)
+            new = [UserMessage(id=last.id, content=text)]
             turn_id, since = ack.turn_id, ack.seq  # the user message's (a resend: the first)
         else:  # nothing new: the running turn from its start (a reconnect), or none
             started = await tr.running_turn_start(gateway, chat_id, meta)
@@ -428,13 +429,29 @@ async def run_endpoint(request: Request) -> Response:
                     chat_id, run.run_id, None, snapshot_messages(events),
                     _state(meta.state)), None)
             turn_id, since = meta.turn_id, started - 1
+            streams = (await gateway.store.read(chat_id, None, 0)).streams
+            new = _reasoning_so_far(events, streams, turn_id)
         messages = snapshot_messages(events, turn_id)
-        if new is not None and all(m.id != new.id for m in messages):
-            messages.append(new)
+        for message in new:
+            if all(m.id != message.id for m in messages):
+                messages.append(message)
         translator = AgUiRun(chat_id, run.run_id, turn_id, messages, _state(meta.state))
         return _reply(request, gateway, who, translator, p.Since(since, meta.epoch))
 
     return await tr.answered(request, work)
+
+
+def _reasoning_so_far(events: list[dict[str, Any]], streams: list[OpenStream],
+                      turn_id: str) -> list[Message]:
+    """The running turn's reasoning so far, each as an empty message: a client that
+    reconnects holds it partly, and AG-UI clients keep the reasoning they hold when a
+    snapshot has none, then append the replayed text to it. Emptied here, it is replayed
+    whole, once."""
+    ids = [str(e["data"].get("stream_id") or f"e{e.get('seq')}") for e in events
+           if e.get("type") == "reasoning" and e.get("node") == turn_id
+           and isinstance(e.get("data"), dict)]
+    ids += [s.id for s in streams if s.type == "reasoning_delta" and s.turn_id == turn_id]
+    return [ReasoningMessage(id=message_id, content="") for message_id in dict.fromkeys(ids)]
 
 
 def _state(raw: bytes | None) -> Any:

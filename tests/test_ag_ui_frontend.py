@@ -32,11 +32,22 @@ pytestmark = pytest.mark.anyio
 Event = dict[str, Any]
 PATH = "/v1/ag-ui"
 STATE = {"todo": ["milk"], "n": 1}
+PONDER = "".join(f"r{i} " for i in range(WORDS // 2))  # reasoning, word by word
 
 
 async def handler(turn: Turn) -> None:
-    """The AI SDK tests' answers, and: ``state`` (a state, a step, a custom event)."""
+    """The AI SDK tests' answers, and: ``state`` (a state, a step, a custom event),
+    ``ask`` (a client tool's question, no text), ``ponder`` (slow reasoning, then text)."""
     words = turn.text.split()
+    if words[:1] == ["ponder"]:
+        for word in PONDER.split():
+            await turn.reasoning(word + " ")
+            if await turn.sleep(0.05):
+                break
+        await turn.event("reasoning", {})  # commits what streamed
+        await turn.message("pondered")
+        await turn.end()
+        return
     if words[:1] == ["state"]:
         await turn.sleep(0.3)  # steps are ephemeral: the reply listens by now
         await turn.event("step", {"name": "plan", "status": "started"}, durable=False)
@@ -299,6 +310,26 @@ async def test_a_reconnect_mid_answer_gets_each_character_once(
         assert events[-1]["usage"] == [{"outputTokens": WORDS}]
 
 
+async def test_a_reconnect_mid_reasoning_empties_the_reasoning_it_replays(
+    gateway: Any, agent: None, user: str, chat_id: str
+) -> None:
+    """AG-UI clients keep the reasoning they hold when a snapshot has none: the snapshot
+    holds the running turn's reasoning emptied, so the replay fills it once."""
+    sent = user_message("ponder", "agui-ponder")
+    some = lambda events: len(text_of(events, "REASONING_MESSAGE_CONTENT")) >= 6  # noqa: E731
+    async with httpx.AsyncClient(base_url=gateway.http) as http:
+        _, first = await post(http, gateway, user, run_input(chat_id, [sent]), until=some)
+        partial = next(e["messageId"] for e in first if e["type"] == "REASONING_START")
+        held = [sent, {"id": partial, "role": "reasoning",
+                       "content": text_of(first, "REASONING_MESSAGE_CONTENT")}]
+        _, again = await post(http, gateway, user, run_input(chat_id, held))
+    check_order(again)
+    assert again[1]["messages"] == [{"id": "agui-ponder", "role": "user", "content": "ponder"},
+                                    {"id": partial, "role": "reasoning", "content": ""}]
+    assert text_of(again, "REASONING_MESSAGE_CONTENT") == PONDER
+    assert text_of(again) == "pondered"
+
+
 # --- client tools -------------------------------------------------------------------------------
 
 
@@ -417,15 +448,15 @@ async def test_cors_for_the_origins_the_operator_allows(gateway: Any, user: str,
 async def test_the_ag_ui_client_drives_the_gateway(gateway: Any, agent: None,
                                                    user: str) -> None:
     """``tests/js/ag-ui-client.live.mjs``: ``HttpAgent`` against this gateway (a run, a
-    tool call, a client tool answered, a reconnect mid-answer)."""
+    tool call, a client tool answered, a reconnect mid-answer and mid-reasoning)."""
     if not (JS / "node_modules" / "@ag-ui" / "client").is_dir():
         pytest.skip("tests/js needs `npm install` (scripts/test does it)")
     env = {**os.environ, "GATEWAY_HTTP": gateway.http, "GATEWAY_TOKEN": gateway.token(user),
-           "SLOW_ANSWER": slow_answer()}
+           "SLOW_ANSWER": slow_answer(), "PONDER": PONDER}
     proc = await asyncio.create_subprocess_exec(
         "node", "--test", "--test-reporter=spec", "ag-ui-client.live.mjs", cwd=JS, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     async with asyncio.timeout(120):
         output, _ = await proc.communicate()
     assert proc.returncode == 0, output.decode()
-    assert b"pass 3" in output and b"fail 0" in output, output.decode()
+    assert b"pass 4" in output and b"fail 0" in output, output.decode()

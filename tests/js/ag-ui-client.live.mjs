@@ -5,7 +5,8 @@
 //   GATEWAY_HTTP=... GATEWAY_TOKEN=... SLOW_ANSWER=... node --test ag-ui-client.live.mjs
 // The agent answers "slow" with SLOW_ANSWER, word by word (about 2 s), "pay ..." by asking
 // the person with the client tool `approve` (and an answer's turn with "paid: <answer>"),
-// anything else with reasoning, "Hello world", a tool call `search` and its result.
+// "ponder" with PONDER as reasoning, word by word, then "pondered", anything else with
+// reasoning, "Hello world", a tool call `search` and its result.
 
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
@@ -16,10 +17,11 @@ import { HttpAgent } from '@ag-ui/client';
 const HTTP = process.env.GATEWAY_HTTP;
 const TOKEN = process.env.GATEWAY_TOKEN;
 const SLOW = process.env.SLOW_ANSWER;
+const PONDER = process.env.PONDER;
 const AUTH = { Authorization: `Bearer ${TOKEN}` };
 
-if (!HTTP || !TOKEN || !SLOW) {
-  throw new Error('run by tests/test_ag_ui_frontend.py: GATEWAY_HTTP, GATEWAY_TOKEN, SLOW_ANSWER');
+if (!HTTP || !TOKEN || !SLOW || !PONDER) {
+  throw new Error('run by tests/test_ag_ui_frontend.py: GATEWAY_HTTP, GATEWAY_TOKEN, SLOW_ANSWER, PONDER');
 }
 
 const threadId = () => `agui-${randomUUID().slice(0, 12)}`;
@@ -113,4 +115,25 @@ test('a reconnect mid-answer: the whole answer, each character once, on any devi
     assert.deepEqual(device.messages.filter((m) => m.role === 'user').map((m) => m.content),
       ['slow']);
   }
+});
+
+test('a reconnect mid-reasoning: the reasoning once', async () => {
+  const agent = agentFor(threadId());
+  say(agent, 'ponder');
+  let seen = '';
+  let dropped;
+  const dropping = new Promise((resolve) => { dropped = resolve; });
+  const first = agent.runAgent({}, {
+    onReasoningMessageContentEvent: ({ event }) => {
+      seen += event.delta;
+      if (seen.length >= 6) dropped();
+    },
+  }).catch(() => undefined);
+  await dropping;
+  agent.abortRun();
+  await first;
+  await agent.runAgent();
+  const reasoning = agent.messages.filter((m) => m.role === 'reasoning').map((m) => m.content);
+  assert.deepEqual(reasoning, [PONDER]);
+  assert.deepEqual(texts(agent), ['pondered']);
 });
