@@ -37,6 +37,8 @@ export interface Limits {
   buffer_max_frames: number;
   buffer_max_bytes: number;
   buffer_ttl: number;
+  /** Seconds: a connection's `typing` goes out at most once per this, per chat. */
+  typing_interval: number;
 }
 
 export interface HelloFrame {
@@ -84,6 +86,47 @@ export interface ChildSummary {
   usage: UsageTotals;
 }
 
+/** A user connected to a conversation, with how many connections (devices, tabs) they have. */
+export interface PresentUser {
+  user_id: string;
+  connections: number;
+}
+
+/** An agent running a turn in a conversation, with how many of its workers do. */
+export interface PresentAgent {
+  name: string;
+  workers: number;
+}
+
+/**
+ * Who is connected to a conversation now: the whole list, never a diff. `v` only grows: of
+ * two lists, the one with the higher `v` is newer. `users` sorted by `user_id`, `agents` by
+ * `name`.
+ */
+export interface PresenceList {
+  v: number;
+  users: PresentUser[];
+  agents: PresentAgent[];
+}
+
+/** A conversation's presence list changed (never stored, replayed or buffered). */
+export interface PresenceFrame extends PresenceList {
+  type: "presence";
+  chat_id: string;
+  ts: number;
+}
+
+/** Another connection's person is typing (maybe this user's, on another device). */
+export interface TypingFrame {
+  type: "typing";
+  chat_id: string;
+  user_id: string;
+  ts: number;
+}
+
+/** The reply to a `typing`: `sent` false when it came sooner than `typing_interval`. */
+export interface TypedFrame { type: "typed"; chat_id: string; sent: boolean; id?: RequestId }
+
 export interface Snapshot {
   title: string | null;
   status: "idle" | "running";
@@ -106,6 +149,8 @@ export interface Snapshot {
    * when none does (GatewayClient.awaiting() keeps it live).
    */
   awaiting?: Record<string, string>;
+  /** Who is connected to it now, this connection included (GatewayClient.presence()). */
+  presence?: PresenceList;
 }
 
 export interface SubscribedFrame {
@@ -146,7 +191,7 @@ export interface AckFrame {
 export interface PongFrame { type: "pong"; id?: RequestId; ts: number }
 
 export type ErrorCode =
-  | "malformed" | "unknown_type" | "invalid_frame" | "forbidden" | "not_found"
+  | "malformed" | "unknown_type" | "invalid_frame" | "forbidden" | "not_found" | "not_subscribed"
   | "text_too_long" | "too_many_subscriptions" | "turn_in_progress" | "no_active_turn"
   | "turn_mismatch" | "conflict" | "not_on_path" | "nothing_to_retry" | "nothing_to_undo"
   | "rate_limited" | "replication_timeout" | "invalid_request" | (string & {});
@@ -327,7 +372,7 @@ export interface WsTicket {
 
 export type ServerFrame =
   | HelloFrame | SubscribedFrame | UnsubscribedFrame | LeftFrame | AckFrame | PongFrame
-  | ErrorFrame | ConversationFrame | EventFrame;
+  | ErrorFrame | ConversationFrame | PresenceFrame | TypingFrame | TypedFrame | EventFrame;
 
 // --- the client --------------------------------------------------------------------------
 
@@ -553,6 +598,26 @@ export interface ClosedEvent { code: number; reason: string; terminal: boolean }
  */
 export interface FeedGapEvent { connectionId: string }
 
+/**
+ * A live chat's presence list changed (a newer one came: `frame`, or the `subscribed`
+ * snapshot's), or is no longer known (null: unsubscribed, left, deleted, disconnected).
+ */
+export interface PresenceEvent {
+  chatId: string;
+  presence: PresenceList | null;
+  frame?: PresenceFrame;
+}
+
+/**
+ * Who is typing in a chat now (GatewayClient.typing()): after a `typing` frame (`frame`),
+ * and when a typing ended (its time was up, its user sent a message or left).
+ */
+export interface TypingEvent {
+  chatId: string;
+  users: string[];
+  frame?: TypingFrame;
+}
+
 export interface GatewayClientEvents {
   state: StateChange;
   hello: HelloFrame;
@@ -571,6 +636,10 @@ export interface GatewayClientEvents {
   feed_gap: FeedGapEvent;
   /** A chat's head moved: show its new active path. */
   head: HeadChange;
+  /** Who is connected to a live chat changed: show presence. */
+  presence: PresenceEvent;
+  /** Who is typing in a live chat changed. */
+  typing: TypingEvent;
   ack: AckFrame;
   error: ErrorFrame;
   closed: ClosedEvent;
@@ -741,6 +810,26 @@ export declare class GatewayClient {
    * the last snapshot and live since; null until a snapshot told.
    */
   awaiting(chatId: string): Record<string, string> | null;
+
+  /**
+   * Who is connected to a live chat now (users with their connections, the agents running
+   * a turn in it): the newest list (highest `v`) since it went live on this connection;
+   * null before the first and while it is not live (unsubscribed, disconnected).
+   */
+  presence(chatId: string): PresenceList | null;
+  /**
+   * The users typing in a live chat now, sorted: heard within three `typing_interval`s, not
+   * since sent a message or left. This client's own user is in it when another of their
+   * devices types.
+   */
+  typing(chatId: string): string[];
+  /**
+   * The person is typing: call it on every change of the message box. At most one `typing`
+   * per `typing_interval` goes out per chat (sooner, or not connected: false at once);
+   * resolves with the `typed` reply's `sent` (false if the connection drops first). Rejects
+   * with a GatewayError "not_subscribed" for a chat not live on this connection.
+   */
+  sendTyping(chatId: string): Promise<boolean>;
 }
 
 export default GatewayClient;

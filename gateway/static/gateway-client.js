@@ -33,7 +33,11 @@
 //   sends the tree operations retry/edit/undo/switch with the head it knows as
 //   `expected_head` (two devices racing: one gets a clean `conflict`);
 // - keeps each chat's client tool calls that wait for a person (awaiting()), and sends a
-//   person's answer (answer(): the first answer wins, the others get `conflict`).
+//   person's answer (answer(): the first answer wins, the others get `conflict`);
+// - keeps who is connected to each live chat (presence(), the `presence` event: the list
+//   with the highest `v`) and who is typing there (typing(), the `typing` event: heard
+//   within three `typing_interval`s, not since sent their message), and sends the person's
+//   own typing at most once per `typing_interval` (sendTyping()).
 //
 // The public types live in gateway-client.d.ts; the JSDoc below uses them, and
 // tests/js (tsc) checks this file against them and the .d.ts against this file.
@@ -44,9 +48,10 @@
  *   CreateConversationOptions, EditOptions, ErrorFrame, EventFrame, ListAgentsOptions,
  *   ListConversationsOptions, RequestOptions, WsTicket,
  *   GatewayClientEvents, GatewayClientOptions, HeadMove, HelloFrame, HistoryPage, LeftFrame,
- *   PongFrame, RequestId, SendMessageOptions, ServerFrame, Siblings, Since, StateChange,
- *   StreamState, SubscribedEvent, SubscribedFrame, SubscribeOptions, TokenRequest,
- *   TokenSource, TreeNode, TreeOpOptions, UnsubscribedFrame,
+ *   PongFrame, PresenceFrame, PresenceList, RequestId, SendMessageOptions, ServerFrame,
+ *   Siblings, Since, StateChange, StreamState, SubscribedEvent, SubscribedFrame,
+ *   SubscribeOptions, TokenRequest, TokenSource, TreeNode, TreeOpOptions, TypedFrame,
+ *   TypingFrame, UnsubscribedFrame,
  *   ConversationTree as PublicTree,
  * } from "./gateway-client.js"
  */
@@ -72,6 +77,11 @@
  * @property {Record<string, string> | null} awaiting client tool calls waiting for a person's
  *   answer, {call_id: tool name} (null until a snapshot told)
  * @property {number} awaitingSeq the seq `awaiting` is known at: older news never changes it
+ * @property {PresenceList | null} presence who is connected to it now (the highest `v` heard
+ *   since it went live on this connection); null when not known
+ * @property {Map<string, number>} typing user id -> when (Date.now()) their `typing` came
+ * @property {ReturnType<typeof setTimeout> | undefined} typingTimer ends the oldest typing
+ * @property {number} typedAt when (Date.now()) sendTyping() last sent a `typing` here
  */
 
 /** @typedef {"message" | "cancel" | "retry" | "edit" | "undo" | "switch" | "tool_result"} OutboxKind */
@@ -91,7 +101,7 @@
 /**
  * A request waiting for its answer, by request id.
  * @typedef {object} PendingRequest
- * @property {"subscribe" | "unsubscribe" | "leave" | "ping" | OutboxKind} kind
+ * @property {"subscribe" | "unsubscribe" | "leave" | "ping" | "typing" | OutboxKind} kind
  * @property {string} [chatId]
  * @property {object} [frame]
  * @property {OutboxEntry} [entry]
@@ -128,6 +138,8 @@ const BUSY_CLOSE_CODES = new Set([4029, 1013]);
 
 const REPLY_TYPES = new Set(["hello", "subscribed", "unsubscribed", "left", "ack", "pong",
   "error", "conversation"]);
+/** A `typing` shows for this many `typing_interval`s after the last one from its user. */
+const TYPING_SHOWN_FOR = 3;
 /** Requests whose ack carries the conversation's new head. */
 const HEAD_ACKS = new Set(["message", "retry", "edit", "undo", "switch", "tool_result"]);
 /**
@@ -493,6 +505,19 @@ export class ConversationTree {
  */
 function str(value) {
   return typeof value === "string" ? value : null;
+}
+
+/**
+ * A presence list, copied (the app gets its own).
+ * @param {PresenceList} list
+ * @returns {PresenceList}
+ */
+function copyPresence(list) {
+  return {
+    v: list.v,
+    users: list.users.map((u) => ({ user_id: String(u.user_id), connections: Number(u.connections) })),
+    agents: list.agents.map((a) => ({ name: String(a.name), workers: Number(a.workers) })),
+  };
 }
 
 export class GatewayClient {
@@ -915,6 +940,7 @@ export class GatewayClient {
       chat.subReq = null;
       chat.subMode = null;
       chat.resyncing = false; // the resubscribe after reconnecting brings a snapshot
+      this._forgetPresence(chat); // not known while away: the resubscribe's snapshot tells
     }
     for (const req of this._pending.values()) {
       // Unsubscribe/leave/ping are moot now; subscribes are redone on resume; messages and
@@ -1194,6 +1220,10 @@ export class GatewayClient {
         running: false, // a turn runs: tokens are expected (the heartbeat listens closer)
         awaiting: null, // {call_id: tool name}: client tool calls waiting for a person
         awaitingSeq: -1, // the seq `awaiting` is known at
+        presence: null, // who is connected now: {v, users, agents}
+        typing: new Map(), // user id -> when their `typing` came (ms)
+        typingTimer: undefined, // ends the typing heard longest ago
+        typedAt: -Infinity, // when sendTyping() last sent a `typing` here (ms)
       };
       this._chats.set(chatId, chat);
     }
@@ -1405,6 +1435,7 @@ export class GatewayClient {
       ? chat.tree.setHead(frame.snapshot.head ?? null, frame.seq) : null;
     this._emit("subscribed", { chatId: chat.id, frame, mode });
     if (snapshotHead) this._emit("head", { chatId: chat.id, ...snapshotHead });
+    if (frame.snapshot?.presence) this._onPresence(chat, frame.snapshot.presence);
     if (frame.recovered === false) {
       this._emit("recovery", {
         chatId: chat.id, recovered: false, epoch: frame.epoch, seq: frame.seq, frame,
@@ -1429,6 +1460,7 @@ export class GatewayClient {
     const waiters = chat.waiters;
     chat.waiters = [];
     for (const w of waiters) w.resolve(null);
+    this._forgetPresence(chat); // never buffered: the next subscribe's snapshot tells
     if (!this.connected || chat.server !== "live") return Promise.resolve(null);
     chat.server = "buffering";
     chat.subReq = null;
@@ -1447,6 +1479,7 @@ export class GatewayClient {
     if (!chat) return Promise.resolve(null);
     this._chats.delete(chatId);
     for (const w of chat.waiters) w.resolve(null);
+    this._forgetPresence(chat);
     if (!this.connected || chat.server === "none") return Promise.resolve(null);
     return /** @type {Promise<LeftFrame | null>} */ (
       this._request({ type: "leave", chat_id: chatId }, "leave"));
@@ -1605,6 +1638,164 @@ export class GatewayClient {
     chat.awaitingSeq = frame.seq;
   }
 
+  // --- presence and typing ------------------------------------------------------------
+
+  /**
+   * Who is connected to a live chat now (protocol.md, "Presence and typing"): `{v, users:
+   * [{user_id, connections}], agents: [{name, workers}]}`, the agents being those running
+   * a turn in it. The newest list (highest `v`) of the `subscribed` snapshot's and the
+   * `presence` frames' since the chat went live on this connection; null before the first,
+   * and while the chat is not live (unsubscribed, left, or the connection lost).
+   * @param {string} chatId
+   * @returns {PresenceList | null}
+   */
+  presence(chatId) {
+    const list = this._chats.get(chatId)?.presence;
+    return list ? copyPresence(list) : null;
+  }
+
+  /**
+   * The users typing in a live chat now, sorted: each one's last `typing` came within three
+   * `typing_interval`s, they have not sent a message since, and they are still present. It
+   * includes this client's own user when another of their devices types (the gateway never
+   * sends a connection its own typing): compare with `hello.user_id`.
+   * @param {string} chatId
+   * @returns {string[]}
+   */
+  typing(chatId) {
+    const chat = this._chats.get(chatId);
+    if (!chat) return [];
+    const since = Date.now() - this._typingShownFor();
+    return [...chat.typing].filter(([, at]) => at >= since).map(([user]) => user).sort();
+  }
+
+  /**
+   * Tell the chat's other connections that the person is typing: call it on every change
+   * of the message box. At most one `typing` per `typing_interval` (hello.limits) goes out
+   * per chat; a call sooner resolves with false at once, and so does one made while not
+   * connected (typing is of the moment: nothing is queued). Otherwise resolves with the
+   * `typed` reply's `sent` (false: the gateway dropped it as too soon), or false when the
+   * connection drops first. Rejects with a GatewayError "not_subscribed" for a chat this
+   * connection does not hold live.
+   * @param {string} chatId
+   * @returns {Promise<boolean>}
+   */
+  sendTyping(chatId) {
+    const chat = this._chats.get(chatId);
+    const now = Date.now();
+    if (!this.connected || (chat && now - chat.typedAt < this._typingInterval())) {
+      return Promise.resolve(false);
+    }
+    if (chat) chat.typedAt = now;
+    return new Promise((resolve, reject) => {
+      const id = this._nextId++;
+      this._pending.set(id, {
+        kind: "typing", chatId,
+        resolve: (frame) => resolve(/** @type {TypedFrame | null} */ (frame)?.sent === true),
+        reject,
+      });
+      this._send({ type: "typing", chat_id: chatId, id });
+    });
+  }
+
+  /** The gateway's `typing_interval` in ms (hello.limits; 2 s until a hello says). */
+  _typingInterval() {
+    const seconds = this._hello?.limits?.typing_interval;
+    return (typeof seconds === "number" && seconds >= 0 ? seconds : 2) * 1000;
+  }
+
+  /** How long a `typing` shows, in ms. */
+  _typingShownFor() {
+    return TYPING_SHOWN_FOR * this._typingInterval();
+  }
+
+  /**
+   * A list from a `presence` frame or a snapshot: kept when newer (higher `v`) than the one
+   * held. Typing users gone from it are no longer typing.
+   * @param {ChatState} chat
+   * @param {PresenceList} list
+   * @param {PresenceFrame} [frame]
+   */
+  _onPresence(chat, list, frame) {
+    if (!list || typeof list.v !== "number" || !Array.isArray(list.users) || !Array.isArray(list.agents)) return;
+    if (chat.presence && list.v <= chat.presence.v) return; // older news
+    chat.presence = copyPresence(list);
+    const present = new Set(chat.presence.users.map((u) => u.user_id));
+    let gone = false;
+    for (const user of [...chat.typing.keys()]) {
+      if (!present.has(user)) gone = chat.typing.delete(user) || gone;
+    }
+    /** @type {GatewayClientEvents["presence"]} */
+    const event = { chatId: chat.id, presence: copyPresence(chat.presence) };
+    if (frame) event.frame = frame;
+    this._emit("presence", event);
+    if (gone) this._typingChanged(chat);
+  }
+
+  /** @param {TypingFrame} frame */
+  _onTyping(frame) {
+    const chat = this._chats.get(frame.chat_id);
+    if (!chat || chat.want !== "live" || typeof frame.user_id !== "string") return;
+    chat.typing.delete(frame.user_id); // the latest last: the timer goes by the first
+    chat.typing.set(frame.user_id, Date.now());
+    this._typingChanged(chat, frame);
+  }
+
+  /**
+   * Tell the app who types now (something changed, or `frame` came).
+   * @param {ChatState} chat
+   * @param {TypingFrame} [frame]
+   */
+  _typingChanged(chat, frame) {
+    this._expireTyping(chat);
+    /** @type {GatewayClientEvents["typing"]} */
+    const event = { chatId: chat.id, users: this.typing(chat.id) };
+    if (frame) event.frame = frame;
+    this._emit("typing", event);
+  }
+
+  /**
+   * End each typing whose time is up, and set a timer for the next one; returns whether
+   * any ended.
+   * @param {ChatState} chat
+   * @returns {boolean}
+   */
+  _expireTyping(chat) {
+    clearTimeout(chat.typingTimer);
+    chat.typingTimer = undefined;
+    const shownFor = this._typingShownFor();
+    const now = Date.now();
+    let ended = false;
+    for (const [user, at] of [...chat.typing]) {
+      if (now - at > shownFor) ended = chat.typing.delete(user) || ended;
+    }
+    const oldest = chat.typing.values().next(); // the Map is in the order they came
+    if (!oldest.done) {
+      chat.typingTimer = setTimeout(() => {
+        chat.typingTimer = undefined;
+        if (this._chats.get(chat.id) !== chat || !this._expireTyping(chat)) return;
+        this._emit("typing", { chatId: chat.id, users: this.typing(chat.id) });
+      }, Math.max(0, oldest.value + shownFor - now) + 1);
+    }
+    return ended;
+  }
+
+  /**
+   * The chat is not live here any more: who is here and typing is not known. Tells the app
+   * when it held any.
+   * @param {ChatState} chat
+   */
+  _forgetPresence(chat) {
+    clearTimeout(chat.typingTimer);
+    chat.typingTimer = undefined;
+    const had = chat.presence != null;
+    const typed = chat.typing.size > 0;
+    chat.presence = null;
+    chat.typing.clear();
+    if (had) this._emit("presence", { chatId: chat.id, presence: null });
+    if (typed) this._emit("typing", { chatId: chat.id, users: [] });
+  }
+
   /**
    * @param {"retry" | "edit" | "undo" | "switch"} kind
    * @param {string} chatId
@@ -1671,8 +1862,9 @@ export class GatewayClient {
         return;
       case "unsubscribed":
       case "left":
-      case "pong": {
-        const reply = /** @type {UnsubscribedFrame | LeftFrame | PongFrame} */ (frame);
+      case "pong":
+      case "typed": {
+        const reply = /** @type {UnsubscribedFrame | LeftFrame | PongFrame | TypedFrame} */ (frame);
         const req = reply.id != null ? this._pending.get(reply.id) : null;
         if (req) {
           this._pending.delete(/** @type {RequestId} */ (reply.id));
@@ -1688,6 +1880,15 @@ export class GatewayClient {
         return;
       case "conversation":
         this._emit("conversation", /** @type {ConversationFrame} */ (frame));
+        return;
+      case "presence": {
+        const list = /** @type {PresenceFrame} */ (frame);
+        const chat = this._chats.get(list.chat_id);
+        if (chat && chat.want === "live") this._onPresence(chat, list, list);
+        return;
+      }
+      case "typing":
+        this._onTyping(/** @type {TypingFrame} */ (frame));
         return;
       default: {
         const event = /** @type {EventFrame} */ (frame);
@@ -1819,6 +2020,7 @@ export class GatewayClient {
       // The conversation is gone and the gateway ended the subscription.
       this._chats.delete(chat.id);
       for (const w of chat.waiters) w.resolve(null);
+      this._forgetPresence(chat);
       this._emit("event", frame);
       return;
     }
@@ -1862,6 +2064,8 @@ export class GatewayClient {
     }
     this._emit("event", frame);
     if (moved) this._emit("head", { chatId: chat.id, ...moved, frame });
+    const author = frame.type === "user_message" ? frame.data?.user_id : null;
+    if (typeof author === "string" && chat.typing.delete(author)) this._typingChanged(chat); // sent
   }
 
   /**

@@ -60,13 +60,14 @@ export class FakeConnection {
     ws.on("close", () => { this.closed = true; });
   }
 
-  /** The first frame of a connection. */
-  hello(user = "u1") {
+  /** The first frame of a connection (`limits` override the defaults). */
+  hello(user = "u1", limits = {}) {
     this.push({
       type: "hello", connection_id: this.id, user_id: user, role: "user", heartbeat_interval: 25,
       protocol: "v1", limits: {
         max_frame_bytes: 65536, max_text_bytes: 32768, max_subscriptions: 256, replay_limit: 1000,
         rate_limit: 50, buffer_max_frames: 1000, buffer_max_bytes: 1048576, buffer_ttl: 900,
+        typing_interval: 2, ...limits,
       },
     });
   }
@@ -177,9 +178,9 @@ export class FakeGateway {
   }
 
   /** Wait for the client's n-th connection, say hello on it, and wait until it is open. */
-  async accept(client, n, user = "u1") {
+  async accept(client, n, user = "u1", limits = {}) {
     const conn = await this.connection(n);
-    conn.hello(user);
+    conn.hello(user, limits);
     await until(() => client.connected && client.hello?.connection_id === conn.id, `${conn.id} open`);
     return conn;
   }
