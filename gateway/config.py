@@ -30,6 +30,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dev: bool = False  # dev mode: prints a token, serves the demo page
     demo_agent: bool = False  # run the demo agent inside the gateway (embedded default, dev)
     default_agent: str = "default"  # the agent that answers a conversation that names none
+    # Seconds before a connection's token expires that it is told (token_expiring), so it
+    # can refresh in band.
+    token_refresh_before: float = 60.0
     # A webhook for people who are away (gateway/webhook.py): where, and the signing key.
     webhook_url: str = ""
     webhook_secret: str = ""

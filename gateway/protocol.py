@@ -143,6 +143,14 @@ class ToolResult(msgspec.Struct, tag="tool_result", tag_field="type", frozen=Tru
     id: RequestId | None = None
 
 
+class Refresh(msgspec.Struct, tag="refresh", tag_field="type", frozen=True):
+    """A fresh token for the same user, in band: the connection and its subscriptions
+    stay as they are."""
+
+    token: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    id: RequestId | None = None
+
+
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):
     chat_id: ChatId
     turn_id: str | None = None
@@ -161,7 +169,7 @@ class Typing(msgspec.Struct, tag="typing", tag_field="type", frozen=True):
 
 
 ClientFrame = (Subscribe | Unsubscribe | Leave | Message | Cancel | Ping | Retry | Edit | Undo
-               | Switch | ToolResult | Typing)
+               | Switch | ToolResult | Typing | Refresh)
 
 
 class Envelope(msgspec.Struct):
@@ -321,6 +329,20 @@ class Typed(msgspec.Struct, tag="typed", tag_field="type", omit_defaults=True):
 
     chat_id: str
     sent: bool
+    id: RequestId | None = None
+
+
+class TokenExpiring(msgspec.Struct, tag="token_expiring", tag_field="type"):
+    """The connection's token expires at ``expires_at`` (ms): send ``refresh`` before it,
+    else the connection closes with 4011 then."""
+
+    expires_at: int
+
+
+class Refreshed(msgspec.Struct, tag="refreshed", tag_field="type", omit_defaults=True):
+    """The reply to ``refresh``: the connection runs on the new token until ``expires_at``."""
+
+    expires_at: int
     id: RequestId | None = None
 
 

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from . import logs
 from . import protocol as p
-from .auth import Principal
+from .auth import AuthError, Principal
 from .closecodes import (
     BACKEND_UNAVAILABLE,
     INTERNAL_ERROR,
@@ -106,7 +106,8 @@ class Session:
     Under a plain ASGI server, :meth:`run` drives the same methods from ASGI ``receive``.
     """
 
-    __slots__ = ("_bad_frames", "_closer", "_closing", "_ended", "_expiry", "_feed_ready",
+    __slots__ = ("_bad_frames", "_closer", "_closing", "_ended", "_expiring", "_expiry",
+                 "_feed_ready",
                  "_inbox", "_limited", "_refilled", "_resume_reading", "_resyncs", "_tokens",
                  "_worker", "binary", "codec", "gateway", "hub", "id", "out", "principal",
                  "settings", "subs")
@@ -127,7 +128,8 @@ class Session:
         self._closer: asyncio.Task[None] | None = None
         self._closing = False
         self._ended = False
-        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.TimerHandle | None = None  # 4011 at the token's exp
+        self._expiring: asyncio.TimerHandle | None = None  # token_expiring, some time before
         self._feed_ready: asyncio.Future[None] | None = None
         self._resyncs: set[asyncio.Task[None]] | None = None  # made on the first resync
         self._inbox: list[bytes] | None = None  # client messages not handled yet
@@ -147,10 +149,7 @@ class Session:
         hello: one syscall less per connection."""
         self.gateway.sessions.setdefault(self.principal.user_id, set()).add(self)
         COUNTS.connections += 1
-        if self.principal.expires_at is not None:
-            delay = max(0.0, self.principal.expires_at - time.time())
-            self._expiry = asyncio.get_running_loop().call_later(
-                delay, self.close, TOKEN_EXPIRED, "token expired")
+        self._arm_expiry()
         # The feed subscription is confirmed before the first client frame is handled,
         # not before hello: nothing the client does can tell the difference.
         self._feed_ready = self.hub.join_feed(self.principal.user_id, self)
@@ -170,6 +169,40 @@ class Session:
             COUNTS.bytes_out += len(payload)
         else:
             self._send(hello)
+
+    def _arm_expiry(self) -> None:
+        """Close with 4011 at the token's ``exp``; say ``token_expiring`` some time before
+        (GATEWAY_TOKEN_REFRESH_BEFORE), so the client can ``refresh`` in band."""
+        for timer in (self._expiry, self._expiring):
+            if timer is not None:
+                timer.cancel()
+        self._expiry = self._expiring = None
+        expires_at = self.principal.expires_at
+        if expires_at is None:
+            return
+        loop = asyncio.get_running_loop()
+        left = max(0.0, expires_at - time.time())
+        self._expiry = loop.call_later(left, self.close, TOKEN_EXPIRED, "token expired")
+        self._expiring = loop.call_later(
+            max(0.0, left - self.settings.token_refresh_before), self._send,
+            p.TokenExpiring(int(expires_at * 1000)))
+
+    def _refresh(self, req: p.Refresh) -> None:
+        """A fresh token for the same user and role: the connection goes on, on it. Any
+        other token is refused and changes nothing."""
+        try:
+            fresh = self.gateway.tokens.verify(req.token)
+        except AuthError as exc:
+            self._error("unauthorized", f"refresh refused: {exc}", req)
+            return
+        if (fresh.user_id, fresh.role) != (self.principal.user_id, self.principal.role):
+            self._error("forbidden", "refresh refused: the token is for another user or "
+                        "role than this connection's", req)
+            return
+        self.principal = fresh
+        self._arm_expiry()
+        assert fresh.expires_at is not None  # a token without exp is refused
+        self._send(p.Refreshed(int(fresh.expires_at * 1000), req.id))
 
     def received(self, data: bytes, resume_reading: Callable[[], None] | None = None) -> bool:
         """A client message (a text one as its UTF-8 bytes). Returns False when enough are
@@ -219,8 +252,9 @@ class Session:
             self._finish()
 
     def _finish(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
+        for timer in (self._expiry, self._expiring):
+            if timer is not None:
+                timer.cancel()
         for task in self._resyncs or ():
             task.cancel()
         for chat_id in list(self.subs):
@@ -509,6 +543,8 @@ class Session:
                 self._send(p.Left(frame.chat_id, frame.id))
             case p.Cancel():
                 await self._cancel(frame)
+            case p.Refresh():
+                self._refresh(frame)
             case p.Retry():
                 self._send(await self.gateway.conversations.retry(self.principal, frame))
             case p.Edit():

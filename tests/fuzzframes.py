@@ -54,7 +54,7 @@ VALID = frozenset({"valid"})
 REPLIES = {"subscribe": "subscribed", "unsubscribe": "unsubscribed", "leave": "left",
            "message": "ack", "cancel": "ack", "ping": "pong",
            "retry": "ack", "edit": "ack", "undo": "ack", "switch": "ack", "tool_result": "ack",
-           "typing": "typed"}
+           "typing": "typed", "refresh": "refreshed"}
 # Any tree operation (a message is one) may meet another head than it expects, a running
 # turn, or nodes that name nothing (protocol.md, "Tree operations").
 _TREE = {"forbidden", "not_found", "conflict", "turn_in_progress", "not_on_path",
@@ -69,6 +69,8 @@ REFUSALS = {
     "tool_result": {"invalid_request", *_TREE},
     # Typing into a chat this connection holds no subscription to.
     "typing": {"not_subscribed"},
+    # A fuzzed token is never good: refused, and nothing changes.
+    "refresh": {"unauthorized", "forbidden"},
 }
 REPLY_TYPES = frozenset({*REPLIES.values(), "error"})
 

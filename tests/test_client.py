@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
@@ -321,24 +322,26 @@ async def test_messages_queued_while_disconnected_are_sent_once_in_order(
                 "user_message", "turn_start", "head", "marker"]
 
 
-async def test_token_expiry_reconnects_with_a_fresh_token(gateway: Any, user: str,
-                                                          chat_id: str) -> None:
+async def test_a_token_about_to_expire_is_refreshed_in_band(gateway: Any, user: str,
+                                                            chat_id: str) -> None:
+    """The gateway says token_expiring; the client asks its factory and sends refresh: the
+    same connection outlives the first token, its subscription untouched."""
     issued: Watch[float] = Watch()
 
     async def token_factory() -> str:
-        ttl = 2.0 if not issued.items else 3600.0  # the first one expires soon: 4011
+        ttl = 2.0 if not issued.items else 3600.0  # the first one expires soon
         await issued.add(ttl)
         return str(gateway.token(user, ttl=ttl))
 
     async with GatewayClient(gateway.ws, token_factory=token_factory, **FAST) as client:
+        first_expiry = time.time() + 2
         sub = await client.subscribe(chat_id)
         events = client.events(chat_id)
         await publish(gateway, chat_id, {"type": "note", "data": {"n": 1}})
         assert seqs(await take(events, 1)) == [1]
-        await issued.until(lambda items: len(items) >= 2)
-        async with asyncio.timeout(10):
-            await client.wait_connected()
-        assert client.last_close is not None and client.last_close[0] == 4011
+        await issued.until(lambda items: len(items) >= 2)  # refreshed from the factory
+        await stays_connected(client, first_expiry + 1 - time.time())
+        assert client.connections == 1 and client.last_close is None
         await publish(gateway, chat_id, {"type": "note", "data": {"n": 2}})
         assert seqs(await take(events, 1)) == [2]
         assert client.position(chat_id) == (2, sub.epoch)
@@ -352,7 +355,8 @@ async def test_terminal_close_stops_with_an_error(gateway: Any, user: str,
             pass
     assert bad.value.code == 4001
 
-    # A good token that expires (4011), then a factory that only has bad ones: 4001 stops
+    # A good token that expires, then a factory that only has bad ones: the in-band refresh
+    # is refused, 4011 closes at the expiry, the reconnect's token gets 4001, which stops
     # the client, and the application hears about it from the stream and from its calls.
     calls: list[int] = []
 
@@ -368,7 +372,8 @@ async def test_terminal_close_stops_with_an_error(gateway: Any, user: str,
         with pytest.raises(TerminalError) as stopped:
             await take(client.events(chat_id), 1, seconds=15)
         assert stopped.value.code == 4001
-        assert not client.connected and len(calls) == 2  # no retry after a terminal code
+        # connect, refresh (refused), reconnect (4001): no retry after a terminal code
+        assert not client.connected and len(calls) == 3
         with pytest.raises(TerminalError):
             client.send_message(chat_id, "too late")
         with pytest.raises(TerminalError):

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +285,45 @@ async def test_token_expiry_closes_4011(gateway: Any, user: str, chat_id: str) -
         await assert_usable(ws)
         assert await ws.close_code(timeout=6) == 4011
         assert ws.ws.close_reason == "token expired"
+
+
+async def test_a_token_is_refreshed_in_band_and_the_connection_goes_on(
+        gateway: Any, user: str, chat_id: str) -> None:
+    """token_expiring comes GATEWAY_TOKEN_REFRESH_BEFORE (60 s) ahead of exp, here at once;
+    a refresh for the same user gets refreshed, and the connection outlives the first
+    token with its subscription, no reconnect, no replay."""
+    token = gateway.token(user, ttl=2)
+    expires = time.time() + 2
+    async with connect(f"{gateway.ws}?token={token}") as ws:
+        notice = await ws.recv(ignore=frozenset())
+        while notice["type"] != "token_expiring":
+            notice = await ws.recv(ignore=frozenset())
+        await ws.subscribe(chat_id)
+        assert abs(notice["expires_at"] / 1000 - expires) < 2
+        fresh = gateway.token(user, ttl=3600)
+        await ws.send({"type": "refresh", "token": fresh, "id": "r1"})
+        refreshed = await ws.expect("refreshed", id="r1")
+        assert refreshed["expires_at"] / 1000 > time.time() + 3000
+        with pytest.raises(TimeoutError):  # past the first token's exp: still open
+            await ws.close_code(timeout=max(0.5, expires + 1 - time.time()))
+        await publish(gateway, chat_id, {"type": "note", "data": {"after": True}})
+        assert (await ws.wait_for(lambda f: f.get("type") == "note"))["data"] == {
+            "after": True}
+
+
+async def test_a_refresh_for_another_user_or_a_bad_token_changes_nothing(
+        gateway: Any, user: str, chat_id: str) -> None:
+    token = gateway.token(user, ttl=2)
+    async with connect(f"{gateway.ws}?token={token}") as ws:
+        await ws.subscribe(chat_id)
+        for bad, code in ((gateway.token(user + "x", ttl=3600), "forbidden"),
+                          (gateway.token(user, "service", ttl=3600), "forbidden"),
+                          ("not-a-token", "unauthorized"),
+                          (gateway.token(user, ttl=-60), "unauthorized")):
+            await ws.send({"type": "refresh", "token": bad, "id": code})
+            error = await ws.expect("error", id=code)
+            assert error["code"] == code and "refresh refused" in error["message"]
+        assert await ws.close_code(timeout=6) == 4011  # the first token's exp, as before
 
 
 # --- 4029 -------------------------------------------------------------------------------

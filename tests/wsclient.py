@@ -15,7 +15,7 @@ from websockets.exceptions import ConnectionClosed
 Frame = dict[str, Any]
 # Frames most tests do not care about: the conversation feed arrives on every connection,
 # and who is connected to a subscribed conversation (presence) comes and goes with tests.
-FEED = frozenset({"conversation", "presence", "typing"})
+FEED = frozenset({"conversation", "presence", "typing", "token_expiring"})
 
 
 class Client:

@@ -98,6 +98,7 @@ class ConnectionLoop:
     _token: str | None
     _token_factory: TokenFactory | None
     _connect_kwargs: dict[str, Any]
+    _refreshes: set[asyncio.Task[None]]  # in-band token refreshes under way
     _chats: dict[str, Chat]
     _outbox: Outbox
     _requests: Requests
@@ -165,6 +166,17 @@ class ConnectionLoop:
         except Exception as exc:
             raise _Stop(TerminalError(None, f"token_factory failed: {exc!r}")) from exc
         return str(token)
+
+    async def _refresh(self, conn: Conn) -> None:
+        """The token expires soon: send a fresh one from the token factory, in band. The
+        connection and its subscriptions stay; if it is refused, the 4011 at the old
+        token's expiry reconnects with a fresh token as before."""
+        try:
+            token = await self._fresh_token()
+            await self._requests.call(conn.queue, Request("refresh", None),
+                                      {"type": "refresh", "token": token})
+        except (_Stop, GatewayError) as exc:
+            log.warning("in-band token refresh failed: %s", getattr(exc, "error", exc))
 
     async def _connect_once(self) -> tuple[int | None, str, bool]:
         """One connection: ``(close code or None, reason, reached hello)``."""
@@ -314,8 +326,12 @@ class ConnectionLoop:
                 entry.future.set_result(msgspec.convert(frame, p.Ack))
         elif kind == "error":
             self._on_error(frame)
-        elif kind in ("unsubscribed", "left", "pong", "typed"):
+        elif kind in ("unsubscribed", "left", "pong", "typed", "refreshed"):
             self._requests.answer(rid, frame)
+        elif kind == "token_expiring" and self._token_factory is not None:
+            task = asyncio.get_running_loop().create_task(self._refresh(conn))
+            self._refreshes.add(task)
+            task.add_done_callback(self._refreshes.discard)
         elif kind == "presence":
             self._on_presence(frame)
         elif kind == "typing":

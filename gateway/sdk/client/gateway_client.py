@@ -69,6 +69,7 @@ class GatewayClient(ConnectionLoop):
         self.active_ping = active_ping
         self.active_pong_timeout = active_pong_timeout
         self._connect_kwargs = connect_kwargs
+        self._refreshes: set[asyncio.Task[None]] = set()
         self._chats: dict[str, Chat] = {}
         self._outbox = Outbox()
         self._requests = Requests()

@@ -20,7 +20,7 @@ _encode = msgspec.json.Encoder().encode
 
 @dataclass(slots=True)
 class Request:
-    kind: Literal["subscribe", "unsubscribe", "leave", "ping", "typing"]
+    kind: Literal["subscribe", "unsubscribe", "leave", "ping", "typing", "refresh"]
     chat_id: str | None
     since: dict[str, Any] | None = None
     future: asyncio.Future[Any] | None = None
