@@ -2095,3 +2095,107 @@ def test_a_bad_answer_is_refused_next_to_the_form_which_keeps_it(
         expect(prompt.get_by_test_id("prompt-answer")).to_have_text(
             'You answered: Approved · tip: 10 · method: "card" · note: "Room 12"', timeout=TURN)
         expect(messages(page, "assistant")).to_have_text(["paid"], timeout=TURN)
+
+
+# --- who is here, who is typing ---------------------------------------------------------
+
+
+def me_here(page: Any, devices: int) -> None:
+    """The header lists this person, with ``devices`` connections."""
+    mine = page.locator('[data-testid="present-user"][data-me="true"]')
+    expect(mine).to_have_attribute("data-connections", str(devices), timeout=TURN)
+    expect(mine).to_have_text(f"You · {devices} device{'s' if devices != 1 else ''}")
+
+
+def test_who_is_here_and_typing_on_another_tab(page: Any, browser: Any, demo: GatewayProcess,
+                                               user: str) -> None:
+    open_app(page, demo, user)
+    chat_id = new_chat(page, "Anyone there?")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    presence = page.get_by_test_id("chat-presence")
+    expect(presence).to_be_visible()
+    expect(presence).to_have_attribute("aria-label", "Here now")
+    me_here(page, 1)
+    typing = page.get_by_test_id("typing")
+    expect(typing).to_have_attribute("aria-live", "polite")
+    expect(typing).to_have_text("")
+
+    other = browser.new_page()  # a second tab of the same person, phone-sized
+    errors: list[str] = []
+    other.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        sized(other, "phone")
+        open_app(other, demo, user, chat=chat_id)
+        synced(other, chat_id)
+        # Both tabs count both devices, live.
+        me_here(page, 2)
+        me_here(other, 2)
+
+        # Typing on the phone shows on the laptop (said politely), not on the phone itself,
+        # and goes once nothing more is typed (three typing intervals: 6 s).
+        box = other.get_by_test_id("message-input")
+        box.press_sequentially("Let me think")
+        expect(typing).to_have_text("You are typing on another device…", timeout=TURN)
+        expect(typing).to_have_attribute("data-users", user)
+        expect(other.get_by_test_id("typing")).to_have_text("")
+        problems = axe_problems(page, "someone typing") + axe_problems(
+            other, "two devices here on a phone")
+        assert not problems, "\n".join(problems)
+        assert_fits(other, "two devices here on a phone")
+        expect(typing).to_have_text("", timeout=TURN)
+        expect(typing).to_have_attribute("data-users", "")
+
+        # Typing again, then sending: the message ends the typing at once (long before its
+        # time is up).
+        box.press_sequentially(" about Lisbon")
+        expect(typing).to_have_text("You are typing on another device…", timeout=TURN)
+        box.press("Enter")
+        expect(typing).to_have_text("", timeout=3_000)
+        expect(messages(page, "user")).to_have_count(2, timeout=TURN)
+    finally:
+        other.close()
+    assert not errors, f"uncaught errors in the second tab: {errors}"
+    # The phone's tab closed: one device again.
+    me_here(page, 1)
+
+
+def held_turn(gate: threading.Event) -> Any:
+    """A handler whose turn runs until ``gate`` is set, then answers "done"."""
+    async def handle(turn: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait, TURN / 1000)
+        await turn.message("done")
+    return handle
+
+
+@BOTH
+def test_the_agent_is_here_while_it_answers(page: Any, demo: GatewayProcess, browser_redis: str,
+                                            user: str, size: str) -> None:
+    sized(page, size)
+    agent = f"holder-{uuid.uuid4().hex[:8]}"
+    gate = threading.Event()
+    try:
+        with running_agents(browser_redis, {agent: held_turn(gate)}):
+            chat_id = f"c_{uuid.uuid4().hex[:12]}"
+            resp = httpx.post(f"{demo.http}/v1/conversations", headers=demo.headers(user),
+                              json={"chat_id": chat_id, "agent": agent})
+            assert resp.status_code == 201, resp.text
+            open_app(page, demo, user, chat=chat_id)
+            synced(page, chat_id)
+            me_here(page, 1)
+            here = page.get_by_test_id("present-agent")
+            expect(here).to_have_count(0)
+            send(page, "Take your time")
+            # While its turn runs, the agent is here, next to the person.
+            expect(here).to_have_attribute("data-agent", agent, timeout=TURN)
+            expect(here).to_have_text(f"{agent} · agent")
+            me_here(page, 1)
+            problems = axe_problems(page, f"the agent here ({size})")
+            assert not problems, "\n".join(problems)
+            assert_fits(page, f"the agent here ({size})")
+            gate.set()
+            expect(messages(page, "assistant")).to_have_text(["done"], timeout=TURN)
+            # Its turn is over: it is no longer here.
+            expect(here).to_have_count(0, timeout=TURN)
+            me_here(page, 1)
+    finally:
+        gate.set()

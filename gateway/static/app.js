@@ -9,7 +9,10 @@
 // under the header. A client tool it calls to ask the person is a prompt on every device (its
 // arguments, and a form built from the tool's `result` schema); the first answer wins
 // everywhere. "New chat" offers the live agents (GET /v1/agents) when there are
-// several; the header names the conversation's. Everything it knows comes from the gateway:
+// several; the header names the conversation's, and who is here now (each person with
+// their devices, the agent while it answers), live; "alice is typing…" shows above the
+// message box (this person's own other devices too: "You are typing on another device…").
+// Everything it knows comes from the gateway:
 // GET /v1/conversations, GET .../events (the active path and its forks), and the WebSocket
 // through gateway-client.js (which keeps each chat's tree).
 //
@@ -36,6 +39,7 @@ let editingTitle = null; // chat_id whose title is being edited in the sidebar
 let confirmingDelete = null; // chat_id whose deletion awaits a confirmation
 let liveAgents = []; // [{name, kind, workers}]: the agents with a live worker (GET /v1/agents)
 let chosenAgent = null; // the agent picked for the next new chat (null: none picked)
+let me = null; // the signed-in user's id (hello.user_id)
 // The longest message text the gateway takes, in UTF-8 bytes (hello's limits say; this is
 // its default until the first hello).
 let maxTextBytes = 32768;
@@ -1794,6 +1798,8 @@ function renderChat() {
     strip.dataset.status = "";
   }
   renderAgentState(m);
+  renderPresence(m);
+  renderTyping(m);
 
   const box = $("messages");
   const nodes = [];
@@ -1831,6 +1837,70 @@ function renderChat() {
   const undoButton = $("undo");
   undoButton.disabled = blocked || !active || running || !tree?.headKnown || tree.head == null;
   if (!running && $("composer-hint").dataset.kind === "busy") hint();
+}
+
+// --- who is here, who is typing ----------------------------------------------------------
+
+function plural(n, one, many) {
+  return `${n} ${n === 1 ? one : many}`;
+}
+
+/**
+ * Who is connected to the chat now, in the header: the person (with their devices), any
+ * other people, and the agents running a turn. Nothing while not live (nobody knows).
+ */
+function renderPresence(m) {
+  const box = $("chat-presence");
+  const list = m?.subscribed ? client?.presence(m.chatId) : null;
+  const users = list ? [...list.users].sort((a, b) => (b.user_id === me) - (a.user_id === me)) : [];
+  const agents = list?.agents ?? [];
+  const key = JSON.stringify([me, users, agents]);
+  box.hidden = !list;
+  if (box.dataset.key === key) return;
+  box.dataset.key = key;
+  box.replaceChildren(
+    ...users.map((u) => {
+      const devices = plural(u.connections, "device", "devices");
+      const who = u.user_id === me ? "You" : u.user_id;
+      return h("li", {
+        class: "present", "data-testid": "present-user", "data-user-id": u.user_id,
+        "data-connections": u.connections, "data-me": u.user_id === me ? "true" : null,
+        title: `${u.user_id === me ? "You are" : `${u.user_id} is`} here on ${devices}`,
+      }, h("span", { class: "present-name", text: who }), h("span", { class: "present-devices", text: ` · ${devices}` }));
+    }),
+    ...agents.map((a) => h("li", {
+      class: "present present-agent", "data-testid": "present-agent", "data-agent": a.name,
+      "data-workers": a.workers, title: `The agent ${a.name} is answering here`,
+    }, h("span", { class: "present-name", text: a.name }), h("span", { class: "present-devices", text: " · agent" }))),
+  );
+}
+
+/** "alice is typing…" for the people typing now; this person's other devices say so. */
+function typingText(users) {
+  const others = users.filter((u) => u !== me);
+  const mine = users.includes(me);
+  if (!others.length) return mine ? "You are typing on another device…" : "";
+  const names = mine ? [...others, "you (on another device)"] : others;
+  const list = names.length === 1 ? names[0]
+    : `${names.slice(0, -1).join(", ")} and ${names.at(-1)}`;
+  return `${list} ${names.length === 1 ? "is" : "are"} typing…`;
+}
+
+function renderTyping(m) {
+  const box = $("typing");
+  const users = m?.subscribed ? client?.typing(m.chatId) ?? [] : [];
+  const text = typingText(users);
+  box.dataset.users = users.join(" ");
+  if (box.textContent !== text) box.textContent = text; // a change only: said once
+}
+
+/** The person types in the message box: the chat's other devices are told (throttled). */
+function typed() {
+  if (!active || blocked || !client?.connected || !models.get(active)?.subscribed) return;
+  if (!$("input").value.trim()) return;
+  // At most one `typing` per typing_interval leaves (the client keeps to it); nothing to
+  // say when it does not.
+  client.sendTyping(active).catch(() => {});
 }
 
 /** The agent's state, pretty: as is when it is text, else indented JSON. */
@@ -1936,6 +2006,7 @@ function wire() {
   $("input").addEventListener("input", () => {
     autosize();
     if ($("input").hasAttribute("aria-invalid")) checkLength(); // shortened enough yet?
+    typed();
   });
   addEventListener("resize", autosize);
   $("input").addEventListener("keydown", (ev) => {
@@ -1975,6 +2046,7 @@ async function boot() {
   client.on("hello", (hello) => {
     maxTextBytes = hello.limits?.max_text_bytes ?? maxTextBytes;
     $("whoami").textContent = `signed in as ${hello.user_id}`;
+    me = hello.user_id;
     if (everConnected && active && !model(active).loaded) openChat(model(active));
     everConnected = true;
   });
@@ -2042,6 +2114,8 @@ async function boot() {
     }
     if (chatId === active) scheduleRender();
   });
+  client.on("presence", ({ chatId }) => { if (chatId === active) scheduleRender(); });
+  client.on("typing", ({ chatId }) => { if (chatId === active) scheduleRender(); });
   client.on("offline", () => renderConnection({ state: "reconnecting", reason: "offline" }));
   client.on("recovery", ({ chatId }) => {
     // The gateway could not replay what we missed: start over from the HTTP history.
