@@ -622,6 +622,80 @@ async def presence(request: Request) -> Response:
     return JSONResponse(_encode(await _gateway(request).presence.read(chat_id)))
 
 
+UserId = Annotated[str, msgspec.Meta(pattern=r"^[^:]{1,128}$")]
+WITHIN_MS = 1000  # revocations and disconnections take effect everywhere within this
+
+
+class Disconnect(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    user_id: UserId
+    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=120)] = (
+        "disconnected by an administrator")
+
+
+class Revoke(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Refused until then (ms); past the tokens' exp, nothing is left to refuse. A number:
+    # 4449.0 is an integer to JSON Schema.
+    until: Annotated[float, msgspec.Meta(ge=0, le=10**15)]
+    jti: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | UnsetType = UNSET
+    user_id: UserId | UnsetType = UNSET
+
+
+# Documents the rule revoke enforces: exactly one of the two.
+REVOKE_BODY = Annotated[Revoke, msgspec.Meta(extra_json_schema={
+    "oneOf": [{"required": ["jti"]}, {"required": ["user_id"]}],
+})]
+
+
+class Done(msgspec.Struct, frozen=True):
+    """Recorded: every gateway process acts on it within ``within_ms``."""
+
+    within_ms: int
+
+
+def _service(request: Request) -> Principal:
+    who = _principal(request)
+    if not who.is_service:
+        raise Rejected("forbidden", "this needs a service token")
+    return who
+
+
+@API.operation(
+    "POST", "/v1/admin/disconnect", summary="Close every connection of a user (service)",
+    description="Every WebSocket of `user_id` closes with 4005 (terminal: the client does not "
+    "reconnect by itself) and every Server-Sent Events stream of theirs ends, on every "
+    "gateway process, within a second. Their tokens stay good: revoke them too to keep "
+    "them out.",
+    body=Disconnect, reply=Done, status=202, errors=(400, 403, 413, 422, 503),
+)
+async def admin_disconnect(request: Request) -> Response:
+    _service(request)
+    body = await _body(request, Disconnect)
+    await _gateway(request).revocations.disconnect(body.user_id, body.reason)
+    return JSONResponse(_encode(Done(WITHIN_MS)), status_code=202)
+
+
+@API.operation(
+    "POST", "/v1/admin/revoke", summary="Refuse tokens until a time (service)",
+    description="`jti`: that token; `user_id`: every token of that user issued before now "
+    "(its `iat`; one without `iat` too). Until `until` (ms) they and the tickets made from "
+    "them are refused on every gateway process, verifications that hit the token cache "
+    "included, and the connections and streams that use them close (4001, `token "
+    "revoked`), within a second.",
+    body=REVOKE_BODY, reply=Done, status=202, errors=(400, 403, 413, 422, 503),
+)
+async def admin_revoke(request: Request) -> Response:
+    _service(request)
+    body = await _body(request, Revoke)
+    if isinstance(body.jti, UnsetType) == isinstance(body.user_id, UnsetType):
+        raise Rejected("unprocessable", "give exactly one of `jti` and `user_id`")
+    revocations = _gateway(request).revocations
+    if not isinstance(body.jti, UnsetType):
+        await revocations.revoke_jti(body.jti, int(body.until))
+    elif not isinstance(body.user_id, UnsetType):
+        await revocations.revoke_user(body.user_id, int(body.until))
+    return JSONResponse(_encode(Done(WITHIN_MS)), status_code=202)
+
+
 class Agents(msgspec.Struct, frozen=True):
     agents: list[LiveAgent]  # by name
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import jwt
@@ -31,6 +32,8 @@ class Principal(msgspec.Struct, frozen=True):
     user_id: str
     role: Role = "user"
     expires_at: float | None = None  # unix seconds
+    issued_at: float | None = None  # the token's iat, unix seconds (revocation by user)
+    jti: str | None = None  # the token's id, when it has one (revocation by jti)
 
     @property
     def is_service(self) -> bool:
@@ -76,10 +79,13 @@ def verify_token(secret: str, token: str | None) -> Principal:
         raise AuthError("token expired") from None
     except jwt.PyJWTError as exc:
         raise AuthError(f"invalid token: {exc}") from None
-    return _principal(claims.get("sub"), claims.get("role", "user"), claims["exp"])
+    jti = claims.get("jti")
+    return _principal(claims.get("sub"), claims.get("role", "user"), claims["exp"],
+                      claims.get("iat"), jti if isinstance(jti, str) else None)
 
 
-def _principal(sub: object, role: object, exp: object) -> Principal:
+def _principal(sub: object, role: object, exp: object, iat: object = None,
+               jti: str | None = None) -> Principal:
     if not isinstance(sub, str) or not sub or len(sub) > 128 or ":" in sub:
         raise AuthError("invalid token: sub must be a non-empty string without ':'")
     if role not in ("user", "service"):
@@ -88,7 +94,10 @@ def _principal(sub: object, role: object, exp: object) -> Principal:
         expires_at = float(exp)  # type: ignore[arg-type]  # PyJWT checked int(exp)
     except OverflowError:
         raise AuthError("invalid token: exp out of range") from None
-    return Principal(user_id=sub, role=role, expires_at=expires_at)
+    issued_at = float(iat) if isinstance(iat, int | float) and not isinstance(iat, bool) \
+        else None
+    return Principal(user_id=sub, role=role, expires_at=expires_at, issued_at=issued_at,
+                     jti=jti)
 
 
 class _Header(msgspec.Struct, forbid_unknown_fields=True):
@@ -170,7 +179,8 @@ class TokenVerifier:
                 or (claims.nbf is not msgspec.UNSET and claims.nbf > now)):
             return None
         try:
-            return _principal(claims.sub, claims.role, claims.exp)
+            return _principal(claims.sub, claims.role, claims.exp,
+                              None if claims.iat is msgspec.UNSET else claims.iat)
         except AuthError:
             return None
 
@@ -197,6 +207,8 @@ class TokenCache:
         self._verifier = TokenVerifier(secret)
         self._max = max_entries
         self._verified: dict[str, Principal] = {}
+        # Revocations (gateway.revocation), checked on every verification, hits included.
+        self.revoked: Callable[[Principal], bool] = lambda who: False
 
     def verify(self, token: str | None) -> Principal:
         if token:
@@ -205,8 +217,12 @@ class TokenCache:
                 if principal.expires_at is not None and principal.expires_at <= time.time():
                     del self._verified[token]
                     raise AuthError("token expired")
+                if self.revoked(principal):
+                    raise AuthError("token revoked")
                 return principal
         principal = self._verifier.verify(token)
+        if self.revoked(principal):
+            raise AuthError("token revoked")
         assert token is not None  # verify_token refuses a missing token
         if len(self._verified) >= self._max:
             del self._verified[next(iter(self._verified))]

@@ -3,6 +3,7 @@ resumes after."""
 
 UNAUTHORIZED = 4001  # missing or invalid token: terminal
 FORBIDDEN = 4003  # origin not allowed: terminal
+DISCONNECTED = 4005  # closed by an administrator (POST /v1/admin/disconnect): terminal
 PROTOCOL_ABUSE = 4004  # kept sending invalid frames: terminal
 SLOW_CONSUMER = 4008  # did not read fast enough: reconnect and resume
 TOKEN_EXPIRED = 4011  # reconnect with a fresh token and resume

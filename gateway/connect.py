@@ -91,6 +91,9 @@ class SocketEndpoint:
             log.info("token refused: %s", exc)
             COUNTS.closed[UNAUTHORIZED] += 1
             return admission._replace(ticket=None, refusal=(UNAUTHORIZED, str(exc)[:120]))
+        if self.gateway.revocations.revoked(principal):  # revoked since it was issued
+            COUNTS.closed[UNAUTHORIZED] += 1
+            return admission._replace(ticket=None, refusal=(UNAUTHORIZED, "token revoked"))
         return admission._replace(ticket=None, principal=principal)
 
     def session(self, admission: Admission, scope: dict[str, Any], send: Send,

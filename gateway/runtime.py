@@ -18,7 +18,7 @@ from starlette.datastructures import QueryParams
 from starlette.requests import HTTPConnection
 
 from .auth import AuthError, Principal, TokenCache, bearer
-from .closecodes import BACKEND_UNAVAILABLE, SERVER_RESTART
+from .closecodes import BACKEND_UNAVAILABLE, DISCONNECTED, SERVER_RESTART, UNAUTHORIZED
 from .config import ConfigError, Settings
 from .conversations import Conversations
 from .errors import Rejected
@@ -28,6 +28,7 @@ from .redis.backend import Backend
 from .redis.presence import PresenceStore
 from .redis.store import Store
 from .retention import Retention
+from .revocation import Revocations
 from .tickets import Tickets
 from .webhook import WebhookSender
 
@@ -42,7 +43,17 @@ GC_THRESHOLDS = (20_000, 20, 50)
 class Connection(Protocol):
     """What the runtime needs of a live WebSocket session."""
 
+    principal: Principal
+
     def close(self, code: int, reason: str = "") -> None: ...
+
+
+class Stream(Protocol):
+    """What the runtime needs of a live HTTP stream (SSE, a turn's reply)."""
+
+    principal: Principal | None
+
+    def terminate(self, reason: str) -> None: ...
 
 
 class Companion(Protocol):
@@ -73,6 +84,7 @@ class Gateway:
         self.presence: Presence
         self.tokens = TokenCache(settings.secret)
         self.sessions: dict[str, set[Connection]] = {}
+        self.streams: dict[str, set[Stream]] = {}  # live HTTP streams, by user
         self._sweeper: asyncio.Task[None] | None = None
         self._retention: asyncio.Task[None] | None = None
         # Each is made once the gateway has started (it may need the backend).
@@ -87,6 +99,9 @@ class Gateway:
         self.tickets = Tickets(self.backend)
         self.presence = Presence(PresenceStore(self.store.pipeline, self.settings.presence_ttl),
                                  self.settings)
+        self.revocations = Revocations(self.store.pipeline)
+        self.tokens.revoked = self.revocations.revoked
+        self.revocations.start(self._close_matching)
         await self.hub.start()
         await self.presence.start()
         moved = await self.store.migrate_lists()
@@ -108,6 +123,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self._close_all(SERVER_RESTART, "server restarting")
+        await self.revocations.stop()
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._retention is not None:
@@ -127,6 +143,38 @@ class Gateway:
         frames are not arriving. Tell every client to come back after a backoff (1013);
         they resume where they were once Redis is back."""
         self._close_all(BACKEND_UNAVAILABLE, "backend unavailable")
+
+    def track_stream(self, who: Principal, stream: Stream) -> None:
+        """A live HTTP stream of ``who``: an administrator may end it (revocation)."""
+        stream.principal = who
+        self.streams.setdefault(who.user_id, set()).add(stream)
+
+    def untrack_stream(self, who: Principal, stream: Stream) -> None:
+        mine = self.streams.get(who.user_id)
+        if mine is not None:
+            mine.discard(stream)
+            if not mine:
+                del self.streams[who.user_id]
+
+    def _close_matching(self, match: Callable[[Principal], bool], reason: str,
+                        revoked: bool) -> int:
+        """Close this process's connections and streams whose principal ``match`` es: 4001
+        for a revoked token, 4005 for an administrator's disconnection."""
+        closed = 0
+        code = UNAUTHORIZED if revoked else DISCONNECTED
+        for sessions in list(self.sessions.values()):
+            for session in list(sessions):
+                if match(session.principal):
+                    session.close(code, reason)
+                    closed += 1
+        for streams in list(self.streams.values()):
+            for stream in list(streams):
+                if stream.principal is not None and match(stream.principal):
+                    stream.terminate(reason)
+                    closed += 1
+        if closed:
+            log.info("closed %d connections and streams: %s", closed, reason)
+        return closed
 
     def _close_all(self, code: int, reason: str) -> None:
         for sessions in list(self.sessions.values()):

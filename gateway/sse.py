@@ -77,7 +77,8 @@ class SseMember:
     ends, and the client resumes from the last id it received.
     """
 
-    __slots__ = ("_hub", "_queue", "max_bytes", "overflowed", "queued_bytes")
+    __slots__ = ("_hub", "_queue", "max_bytes", "overflowed", "principal", "queued_bytes",
+                 "terminated")
     # Ephemeral frames (but streamed deltas) are not queued; a subclass that reads them (an
     # AG-UI reply's steps: gateway/turn_reader.py) says so.
     takes_ephemeral = False
@@ -88,6 +89,8 @@ class SseMember:
         self.max_bytes = max_bytes
         self.queued_bytes = 0
         self.overflowed = False
+        self.principal: Principal | None = None  # whose stream (set while it is tracked)
+        self.terminated: str | None = None  # why an administrator ended it
 
     def deliver(self, chat_id: str, frame: Frame) -> None:
         if self.overflowed:
@@ -114,6 +117,12 @@ class SseMember:
         """History lost: end the response; the reconnect gets ``event: reset``."""
         if not self.overflowed:
             self.overflowed = True
+            self._queue.put_nowait(None)
+
+    def terminate(self, reason: str) -> None:
+        """An administrator ended the stream (a disconnection, a revoked token)."""
+        if self.terminated is None:
+            self.terminated = reason
             self._queue.put_nowait(None)
 
     async def next_batch(self, within: float) -> list[Entry | None] | None:
@@ -236,6 +245,7 @@ async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: s
     hub, settings = gateway.hub, gateway.settings
     since = last_id.since if last_id is not None else None
     member = SseMember(hub, settings.queue_max_bytes)
+    gateway.track_stream(who, member)
     try:
         await hub.join(chat_id, member)
         try:
@@ -270,6 +280,7 @@ async def _events(request: Request, gateway: Gateway, who: Principal, chat_id: s
         log.warning("sse %s: backend failure (%s); ending the stream", chat_id, exc)
     finally:
         hub.leave(chat_id, member)
+        gateway.untrack_stream(who, member)
 
 
 async def _live(request: Request, member: SseMember, chat_id: str, cursor: Cursor,
@@ -294,6 +305,10 @@ async def _live(request: Request, member: SseMember, chat_id: str, cursor: Curso
         out = bytearray()
         end = False
         for entry in batch:
+            if entry is None and member.terminated is not None:
+                out += b": disconnected: " + member.terminated.encode() + b"\n\n"
+                end = True
+                break
             if entry is None:  # overflowed: send what came before, then let it reconnect
                 out += b": slow consumer\n\n"
                 end = True

@@ -271,6 +271,7 @@ async def follow(request: Request, gateway: Gateway, who: Principal, chat_id: st
         while not turn.done:
             member = (EphemeralMember if turn.takes_ephemeral else SseMember)(
                 hub, settings.queue_max_bytes)
+            gateway.track_stream(who, member)
             try:
                 await hub.join(chat_id, member)
                 try:
@@ -299,6 +300,7 @@ async def follow(request: Request, gateway: Gateway, who: Principal, chat_id: st
                 since = p.Since(cursor.last_seq, epoch)  # fell behind: read on from here
             finally:
                 hub.leave(chat_id, member)
+                gateway.untrack_stream(who, member)
         if turn.trailer:
             yield turn.trailer
     except (RedisError, ConnectionError, OSError, TimeoutError) as exc:
@@ -330,6 +332,10 @@ async def _live(request: Request, member: SseMember, turn: Translator, cursor: A
         out: list[Any] = []
         again = False
         for entry in batch:
+            if entry is None and member.terminated is not None:
+                yield turn.render(out + turn.failure(member.terminated))
+                yield None
+                return
             if entry is None:  # fell behind, or the history was lost: read again
                 again = True
                 break

@@ -28,6 +28,7 @@ from websockets.exceptions import (
 from ... import protocol as p
 from ...closecodes import (
     BACKEND_UNAVAILABLE,
+    DISCONNECTED,
     FORBIDDEN,
     PROTOCOL_ABUSE,
     TOKEN_EXPIRED,
@@ -44,7 +45,7 @@ from .requests import Request, Requests
 
 log = logging.getLogger("gateway.client")
 
-TERMINAL = frozenset({UNAUTHORIZED, FORBIDDEN, PROTOCOL_ABUSE})
+TERMINAL = frozenset({UNAUTHORIZED, FORBIDDEN, DISCONNECTED, PROTOCOL_ABUSE})
 """Close codes after which reconnecting cannot help."""
 KEEP_BACKING_OFF = frozenset({TOO_MANY, BACKEND_UNAVAILABLE})
 """Close codes that keep growing the backoff even after a healthy connection."""
