@@ -10,12 +10,16 @@ export declare const CloseCodes: Readonly<{
   UNAUTHORIZED: 4001;
   FORBIDDEN: 4003;
   PROTOCOL_ABUSE: 4004;
+  DISCONNECTED: 4005;
   SLOW_CONSUMER: 4008;
   TOKEN_EXPIRED: 4011;
   TOO_MANY: 4029;
 }>;
 
-/** 4001, 4003, 4004: the client stops reconnecting. */
+/**
+ * 4001, 4003, 4004, 4005 (disconnected by an administrator): the client stops reconnecting
+ * (state "closed" and a `closed` event with `terminal: true` and the close's reason).
+ */
 export declare const TERMINAL_CLOSE_CODES: ReadonlySet<number>;
 
 export type RequestId = string | number;
@@ -190,11 +194,17 @@ export interface AckFrame {
 
 export interface PongFrame { type: "pong"; id?: RequestId; ts: number }
 
+/** The connection's token expires soon: the client answers with a `refresh` (in band). */
+export interface TokenExpiringFrame { type: "token_expiring"; /** the token's `exp`, ms */ expires_at: number }
+
+/** A `refresh` was taken: the connection runs on the new token, which expires then (ms). */
+export interface RefreshedFrame { type: "refreshed"; expires_at: number; id?: RequestId }
+
 export type ErrorCode =
   | "malformed" | "unknown_type" | "invalid_frame" | "forbidden" | "not_found" | "not_subscribed"
   | "text_too_long" | "too_many_subscriptions" | "turn_in_progress" | "no_active_turn"
   | "turn_mismatch" | "conflict" | "not_on_path" | "nothing_to_retry" | "nothing_to_undo"
-  | "rate_limited" | "replication_timeout" | "invalid_request" | (string & {});
+  | "rate_limited" | "replication_timeout" | "invalid_request" | "unauthorized" | (string & {});
 
 export interface ErrorFrame {
   type: "error";
@@ -372,7 +382,8 @@ export interface WsTicket {
 
 export type ServerFrame =
   | HelloFrame | SubscribedFrame | UnsubscribedFrame | LeftFrame | AckFrame | PongFrame
-  | ErrorFrame | ConversationFrame | PresenceFrame | TypingFrame | TypedFrame | EventFrame;
+  | ErrorFrame | ConversationFrame | PresenceFrame | TypingFrame | TypedFrame
+  | TokenExpiringFrame | RefreshedFrame | EventFrame;
 
 // --- the client --------------------------------------------------------------------------
 
@@ -380,14 +391,19 @@ export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | 
 
 export interface TokenRequest {
   /**
-   * "connect" (first attempt), "reconnect", "expired" (the last close was 4011), or
-   * "request" (an HTTP call: request(), listConversations(), createConversation(), listAgents()).
+   * "connect" (first attempt), "reconnect", "expired" (the last close was 4011),
+   * "refresh" (the connection's token expires soon: a fresh one is sent in band, for the same
+   * user and role; returning the token the connection runs on sends nothing), or "request"
+   * (an HTTP call: request(), listConversations(), createConversation(), listAgents()).
    */
-  reason: "connect" | "reconnect" | "expired" | "request";
+  reason: "connect" | "reconnect" | "expired" | "refresh" | "request";
   lastClose: { code: number; reason: string } | null;
 }
 
-/** A token, or a callback asked before every connection attempt (return a fresh one). */
+/**
+ * A token, or a callback asked before every connection attempt and before the token expires
+ * on an open connection (reason "refresh"): return a fresh one.
+ */
 export type TokenSource = string | null | ((request: TokenRequest) => string | Promise<string>);
 
 export interface GatewayClientOptions {
@@ -566,7 +582,7 @@ export interface StateChange {
   /** "reconnecting": the real wait before the next attempt (ms) and when it ends (epoch ms). */
   delay?: number;
   retryAt?: number;
-  /** "closed": true when a terminal close code (4001/4003/4004) stopped the client. */
+  /** "closed": true when a terminal close code (4001/4003/4004/4005) stopped the client. */
   terminal?: boolean;
   connectionId?: string;
 }
@@ -590,6 +606,28 @@ export interface RecoveryEvent {
 /** A durable seq, or a stream's position (`stream` set), skipped ahead: the client resyncs. */
 export interface GapEvent { chatId: string; expected: number; got: number; stream?: string }
 export interface ClosedEvent { code: number; reason: string; terminal: boolean }
+
+/** The connection runs on a fresh token now, refreshed in band: no reconnect, no replay. */
+export interface TokenRefreshedEvent {
+  /** The new token's expiry (epoch ms). */
+  expiresAt: number;
+  frame: RefreshedFrame;
+}
+
+/**
+ * The token could not be refreshed in band: the connection closes with 4011 at `expiresAt`
+ * and reconnects with a fresh token from the callback (reason "expired"), as before.
+ */
+export interface TokenRefreshFailedEvent {
+  /** The expiry (epoch ms) of the token the connection still runs on. */
+  expiresAt: number;
+  /**
+   * Why: the gateway's refusal (code "unauthorized" or "forbidden", with its frame),
+   * "token_callback" (it threw or gave no token), or "token_unchanged" (it gave the token
+   * the connection already runs on: nothing was sent).
+   */
+  error: GatewayError;
+}
 
 /**
  * A connection opened after another was lost, and its conversation feed is live: feed
@@ -643,6 +681,10 @@ export interface GatewayClientEvents {
   ack: AckFrame;
   error: ErrorFrame;
   closed: ClosedEvent;
+  /** The token was refreshed in band (on `token_expiring`, through the token callback). */
+  token_refreshed: TokenRefreshedEvent;
+  /** An in-band refresh failed or had nothing to send: a reconnect follows at expiry. */
+  token_refresh_failed: TokenRefreshFailedEvent;
 }
 
 export interface SubscribeOptions {
@@ -707,7 +749,7 @@ export declare class GatewayError extends Error {
   constructor(code: string, message?: string, frame?: ErrorFrame | null, status?: number | null);
   /** An HTTP call's: the error reply's code, or "timeout", "network", "aborted", "http_error". */
   readonly code: ErrorCode | "not_connected" | "disconnected" | "timeout" | "network" | "aborted"
-    | "unauthorized" | "http_error";
+    | "unauthorized" | "http_error" | "token_callback" | "token_unchanged";
   readonly frame: ErrorFrame | null;
   /** The HTTP status of an HTTP call's error reply; null otherwise. */
   readonly status: number | null;

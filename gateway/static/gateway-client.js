@@ -17,7 +17,11 @@
 //   connection ticket (POST /v1/ws-ticket) and connects with `?ticket=` (option useTicket);
 // - reconnects at once (with a little jitter) when an open socket goes, with exponential
 //   backoff and full jitter only for attempts that failed; stops on the terminal close codes
-//   (4001, 4003, 4004); asks the token callback again on every attempt (so 4011 gets a fresh one);
+//   (4001, 4003, 4004, 4005); asks the token callback again on every attempt (so 4011 gets a
+//   fresh one);
+// - refreshes the token in band: on `token_expiring` it asks the token callback for a fresh
+//   token and sends `refresh`, so the connection, its subscriptions and buffers go on (no
+//   reconnect, no replay); a refused refresh leaves the 4011 at expiry to reconnect as before;
 // - notices a dead network: a ping after 5 s of silence (2 s while an answer streams), and a
 //   socket that does not answer within 5 s (2.5 s) more is replaced;
 // - remembers {seq, epoch} per chat, resubscribes with `since` after a reconnect, drops
@@ -50,7 +54,8 @@
  *   GatewayClientEvents, GatewayClientOptions, HeadMove, HelloFrame, HistoryPage, LeftFrame,
  *   PongFrame, PresenceFrame, PresenceList, RequestId, SendMessageOptions, ServerFrame,
  *   Siblings, Since, StateChange, StreamState, SubscribedEvent, SubscribedFrame,
- *   SubscribeOptions, TokenRequest, TokenSource, TreeNode, TreeOpOptions, TypedFrame,
+ *   SubscribeOptions, TokenExpiringFrame, TokenRequest, TokenSource, TreeNode, TreeOpOptions,
+ *   TypedFrame, RefreshedFrame,
  *   TypingFrame, UnsubscribedFrame,
  *   ConversationTree as PublicTree,
  * } from "./gateway-client.js"
@@ -101,7 +106,7 @@
 /**
  * A request waiting for its answer, by request id.
  * @typedef {object} PendingRequest
- * @property {"subscribe" | "unsubscribe" | "leave" | "ping" | "typing" | OutboxKind} kind
+ * @property {"subscribe" | "unsubscribe" | "leave" | "ping" | "typing" | "refresh" | OutboxKind} kind
  * @property {string} [chatId]
  * @property {object} [frame]
  * @property {OutboxEntry} [entry]
@@ -119,16 +124,18 @@ export const CloseCodes = Object.freeze({
   UNAUTHORIZED: 4001,
   FORBIDDEN: 4003,
   PROTOCOL_ABUSE: 4004,
+  DISCONNECTED: 4005,
   SLOW_CONSUMER: 4008,
   TOKEN_EXPIRED: 4011,
   TOO_MANY: 4029,
 });
 
 /**
- * Close codes after which reconnecting cannot help: the app must fix something first.
+ * Close codes after which reconnecting cannot help: the app must fix something first (or,
+ * after 4005, an administrator disconnected the user: not reconnecting is the point).
  * @type {ReadonlySet<number>}
  */
-export const TERMINAL_CLOSE_CODES = Object.freeze(new Set([4001, 4003, 4004]));
+export const TERMINAL_CLOSE_CODES = Object.freeze(new Set([4001, 4003, 4004, 4005]));
 /** How long after a 1012 failed attempts keep to restartMaxDelay (ms). */
 const RESTART_WINDOW = 30000;
 // At most this many ticket requests at once on a reconnect (see _ticket).
@@ -137,7 +144,7 @@ const TICKET_ATTEMPTS = 4;
 const BUSY_CLOSE_CODES = new Set([4029, 1013]);
 
 const REPLY_TYPES = new Set(["hello", "subscribed", "unsubscribed", "left", "ack", "pong",
-  "error", "conversation"]);
+  "error", "conversation", "refreshed", "token_expiring"]);
 /** A `typing` shows for this many `typing_interval`s after the last one from its user. */
 const TYPING_SHOWN_FOR = 3;
 /** Requests whose ack carries the conversation's new head. */
@@ -596,6 +603,10 @@ export class GatewayClient {
     this._wasOpen = false;
     /** @type {TokenRequest["lastClose"]} */
     this._lastClose = null;
+    /** The token the current socket runs on (its handshake's, or the last refreshed one). */
+    this._wsToken = /** @type {string | null} */ (null);
+    /** The `expires_at` of the `token_expiring` a refresh was tried for on this socket. */
+    this._refreshFor = /** @type {number | null} */ (null);
     /** Durable events dropped because their seq was already delivered. */
     this.duplicatesDropped = 0;
 
@@ -813,6 +824,8 @@ export class GatewayClient {
       return;
     }
     this._ws = ws;
+    this._wsToken = token ?? null;
+    this._refreshFor = null;
     this._lastRx = Date.now();
     ws.onmessage = (ev) => {
       if (this._ws !== ws) return;
@@ -1863,8 +1876,9 @@ export class GatewayClient {
       case "unsubscribed":
       case "left":
       case "pong":
-      case "typed": {
-        const reply = /** @type {UnsubscribedFrame | LeftFrame | PongFrame | TypedFrame} */ (frame);
+      case "typed":
+      case "refreshed": {
+        const reply = /** @type {UnsubscribedFrame | LeftFrame | PongFrame | TypedFrame | RefreshedFrame} */ (frame);
         const req = reply.id != null ? this._pending.get(reply.id) : null;
         if (req) {
           this._pending.delete(/** @type {RequestId} */ (reply.id));
@@ -1881,6 +1895,9 @@ export class GatewayClient {
       case "conversation":
         this._emit("conversation", /** @type {ConversationFrame} */ (frame));
         return;
+      case "token_expiring":
+        this._refreshToken(/** @type {TokenExpiringFrame} */ (frame));
+        return;
       case "presence": {
         const list = /** @type {PresenceFrame} */ (frame);
         const chat = this._chats.get(list.chat_id);
@@ -1895,6 +1912,62 @@ export class GatewayClient {
         if (!REPLY_TYPES.has(event.type) && typeof event.chat_id === "string") this._onEvent(event);
       }
     }
+  }
+
+  /**
+   * The connection's token expires soon (`token_expiring`): ask the token callback for a
+   * fresh one (reason "refresh") and send it in band (`refresh`). On `refreshed` the
+   * connection goes on, on the new token, as it is (subscriptions, buffers, presence): no
+   * reconnect, no replay; the app hears `token_refreshed`. Refused, or no new token to send:
+   * the app hears `token_refresh_failed` (and a refusal's `error`), and the 4011 at the old
+   * token's expiry reconnects with a fresh token as before. Tried once per expiry: a token
+   * that changed nothing (the same one, or one with the same `exp`) is not sent again.
+   * @param {TokenExpiringFrame} frame
+   * @returns {Promise<void>}
+   */
+  async _refreshToken(frame) {
+    const ws = this._ws;
+    const expiresAt = frame.expires_at;
+    if (!ws || !this._hello || this._refreshFor === expiresAt) return;
+    this._refreshFor = expiresAt;
+    /** @param {GatewayError} error */
+    const failed = (error) => {
+      if (this._ws === ws) this._emit("token_refresh_failed", { expiresAt, error });
+    };
+    let token;
+    try {
+      token = await this._getToken("refresh");
+    } catch (/** @type {any} */ err) {
+      failed(new GatewayError("token_callback", "the token callback failed: " + (err?.message ?? err)));
+      return;
+    }
+    if (this._ws !== ws || !this._hello) return; // that connection went: the next one asks anew
+    if (!token) {
+      failed(new GatewayError("token_callback", "the token callback gave no token"));
+      return;
+    }
+    if (token === this._wsToken) {
+      // Sending it would change nothing (and be answered with another token_expiring).
+      failed(new GatewayError("token_unchanged", "no fresh token: the token callback gave the one the connection runs on"));
+      return;
+    }
+    const id = this._nextId++;
+    /** @type {ServerFrame | GatewayError | null} */
+    const reply = await new Promise((resolve) => {
+      this._pending.set(id, { kind: "refresh", resolve, reject: resolve });
+      if (!this._send({ type: "refresh", token, id })) {
+        this._pending.delete(id);
+        resolve(null);
+      }
+    });
+    if (this._ws !== ws || reply == null) return;
+    if (reply instanceof GatewayError) {
+      failed(reply);
+      return;
+    }
+    this._wsToken = token;
+    const refreshed = /** @type {RefreshedFrame} */ (reply);
+    this._emit("token_refreshed", { expiresAt: refreshed.expires_at, frame: refreshed });
   }
 
   /** @param {HelloFrame} frame */

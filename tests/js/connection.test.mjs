@@ -48,7 +48,7 @@ test("terminal close codes stop the client; 4011 gets a fresh token", async (t) 
   assert.ok(waited[0].delay >= 4, "never an instant retry after 4029: " + waited[0].delay);
   assert.equal(waited[0].reason, "too many");
 
-  for (const code of [4001, 4003, 4004]) {
+  for (const code of [4001, 4003, 4004, 4005]) {
     assert.ok(TERMINAL_CLOSE_CODES.has(code), "terminal " + code);
     const before = server.connections.length;
     const seen = states.length;
@@ -64,7 +64,29 @@ test("terminal close codes stop the client; 4011 gets a fresh token", async (t) 
     client.connect();
     await server.accept(client, before + 1);
   }
-  assert.deepEqual(asked.slice(2), ["reconnect", "connect", "connect", "connect"]);
+  assert.deepEqual(asked.slice(2), ["reconnect", "connect", "connect", "connect", "connect"]);
+});
+
+test("4005, disconnected by an administrator, stops the client with its reason", async (t) => {
+  const { server, client } = await setup(t);
+  const closed = closes(client);
+  const states = [];
+  client.on("state", (s) => states.push(s));
+  client.connect();
+  const conn = await server.accept(client, 1);
+  const sub = client.subscribe("trip");
+  const req = await conn.next("subscribe");
+  conn.subscribed(req);
+  await sub;
+  conn.drop(4005, "account suspended");
+  assert.deepEqual(await closed.next(), { code: 4005, reason: "account suspended", terminal: true });
+  assert.equal(client.state, "closed");
+  assert.deepEqual(states.at(-1), { state: "closed", attempt: 0, code: 4005, reason: "account suspended", terminal: true });
+  assert.equal(client._timer, undefined, "no retry timer");
+  // Longer than any backoff of this client (maxDelay 20 ms): still one connection.
+  await new Promise((resolve) => setTimeout(resolve, 100));
+  assert.equal(server.connections.length, 1, "no reconnect");
+  assert.equal(client.state, "closed");
 });
 
 test("backoff is exponential with full jitter, reset by a hello", async (t) => {

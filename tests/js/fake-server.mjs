@@ -87,6 +87,23 @@ export class FakeConnection {
     });
   }
 
+  /** Say the connection's token expires at `expiresAt` (ms): the client should `refresh`. */
+  tokenExpiring(expiresAt) {
+    this.push({ type: "token_expiring", expires_at: expiresAt });
+  }
+
+  /**
+   * Answer the client's next `refresh` on this connection: `refreshed` with `expiresAt`, or,
+   * with `refuse` set, an `error` of that code (as the gateway refuses an invalid token or
+   * one of another user). Returns the request.
+   */
+  async answerRefresh({ expiresAt = Date.now() + 3600000, refuse = null } = {}) {
+    const req = await this.next("refresh");
+    if (refuse) this.push({ type: "error", code: refuse, message: "refresh refused", id: req.id });
+    else this.push({ type: "refreshed", expires_at: expiresAt, id: req.id });
+    return req;
+  }
+
   /**
    * End the connection: a close frame with `code`, or for 1006 (which no close frame may
    * carry) the TCP connection cut without one, as a network drop does.
