@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -1580,6 +1581,73 @@ def test_page_without_token_explains_itself(page: Any, demo: GatewayProcess) -> 
     expect(page.get_by_test_id("notice")).to_contain_text("gateway serve --dev")
     expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "closed")
     expect(page.get_by_test_id("message-input")).to_be_disabled()
+
+
+def test_a_token_about_to_expire_is_refreshed_in_band_and_the_socket_stays(
+        page: Any, start_gateway: Any, browser_redis: str, user: str) -> None:
+    """The page's token expires soon; a fresher sign-in is kept for the tab (as a sign-in
+    would keep it) before the gateway says `token_expiring`. The page's token callback hands
+    it over in band: past the first token's expiry the socket is the same one (no reconnect,
+    no second ticket), and a turn works on it."""
+    ttl, before = 12, 7  # token_expiring about 5 s after the page's token was made
+    gw = start_demo_gateway(start_gateway, browser_redis, token_refresh_before=before)
+    tickets: list[str] = []
+    page.on("request", lambda r: tickets.append(r.url) if "/v1/ws-ticket" in r.url else None)
+    short = gw.token(user, ttl=ttl)
+    expires = time.time() + ttl
+    page.goto(f"{gw.http}/?token={short}")
+    expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open",
+                                                                 timeout=TURN)
+    page.evaluate("""() => {
+      window.__refresh = { states: [], refreshed: [], failed: [] };
+      demo.client.on("state", (s) => __refresh.states.push(s.state));
+      demo.client.on("token_refreshed", (e) => __refresh.refreshed.push(e.expiresAt));
+      demo.client.on("token_refresh_failed", (e) => __refresh.failed.push(e.error.code));
+    }""")
+    first = page.evaluate("() => demo.client.hello.connection_id")
+    fresh = gw.token(user, ttl=3600)
+    page.evaluate("(t) => sessionStorage.setItem('gateway-demo-token', t)", fresh)
+    assert time.time() < expires - before, "the page took too long: the refresh came first"
+
+    page.wait_for_function("() => __refresh.refreshed.length > 0 || __refresh.failed.length > 0",
+                           timeout=(before + 5) * 1000)
+    record = page.evaluate("() => __refresh")
+    assert record["failed"] == [], record
+    assert record["refreshed"][0] / 1000 > time.time() + 3000, record
+    # Past the first token's expiry (and its 4011, had it not been refreshed): the same socket.
+    page.wait_for_timeout(max(0.0, expires + 1.5 - time.time()) * 1000)
+    record = page.evaluate("() => __refresh")
+    assert record["states"] == [], f"the socket was replaced: {record}"
+    assert page.evaluate("() => demo.client.hello?.connection_id") == first
+    expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open")
+    assert len(tickets) == 1, tickets
+    # The connection runs on the fresh token: a turn goes through.
+    new_chat(page, "hello")
+    expect(messages(page, "assistant")).to_have_count(1, timeout=TURN)
+    assert page.evaluate("() => demo.client.hello?.connection_id") == first
+
+
+def test_a_page_disconnected_by_an_administrator_stays_disconnected(
+        page: Any, demo: GatewayProcess, user: str) -> None:
+    """4005 is terminal: the page says why and does not come back by itself."""
+    open_app(page, demo, user)
+    page.evaluate("""() => {
+      window.__states = [];
+      demo.client.on("state", (s) => __states.push(s.state));
+    }""")
+    resp = httpx.post(f"{demo.http}/v1/admin/disconnect",
+                      json={"user_id": user, "reason": "account suspended"},
+                      headers=demo.headers("ops", "service"))
+    assert resp.status_code == 202, resp.text
+    notice = page.get_by_test_id("notice")
+    expect(notice).to_contain_text(
+        "You were disconnected by an administrator: account suspended", timeout=TURN)
+    connection = page.get_by_test_id("connection")
+    expect(connection).to_have_attribute("data-state", "closed")
+    expect(page.get_by_test_id("connection-label")).to_have_text("Disconnected")
+    page.wait_for_timeout(1500)  # longer than any first reconnect (0 to 0.5 s)
+    assert page.evaluate("() => __states") == ["closed"]
+    expect(connection).to_have_attribute("data-state", "closed")
 
 
 @BOTH

@@ -20,6 +20,11 @@
 // created before it, and opening a link never creates one). Below 700 px the conversation
 // list is a drawer. The token leaves the address bar on load (sessionStorage keeps it for
 // reloads of this tab); the socket authenticates with a one-time ticket (gateway-client.js).
+// The client asks for the token through a callback (currentToken()) before every ticket and
+// HTTP call, and before the token expires on an open socket, to refresh it in band: a newer
+// sign-in kept for this tab keeps the socket as it is, past the old token's expiry. With the
+// one token of a `gateway serve --dev` link there is nothing fresher: nothing is sent, and
+// at its expiry the page says the sign-in expired.
 
 import { GatewayClient, newClientMsgId } from "./gateway-client.js";
 
@@ -59,6 +64,18 @@ function takeToken() {
     return fromUrl;
   }
   try { return sessionStorage.getItem(TOKEN_KEY); } catch { return null; }
+}
+
+/**
+ * The token callback of the client: the newest sign-in kept for this tab (a sign-in may put
+ * a fresher token there), else the page's own. Asked before every connection ticket and HTTP
+ * call, and on `token_expiring` for the in-band refresh; the same token as the socket's
+ * sends no refresh (gateway-client.js).
+ */
+function currentToken() {
+  let kept = null;
+  try { kept = sessionStorage.getItem(TOKEN_KEY); } catch { /* storage off: memory only */ }
+  return kept || token;
 }
 
 // --- HTTP ----------------------------------------------------------------------------
@@ -2030,7 +2047,7 @@ async function boot() {
     return;
   }
 
-  client = new GatewayClient({ token, maxDelay: 8000 });
+  client = new GatewayClient({ token: currentToken, maxDelay: 8000 });
   window.demo = { client, conversations, models };
   client.on("state", (s) => {
     // Never the URL or the token: only the state, the close code and the wait.
@@ -2038,6 +2055,12 @@ async function boot() {
     if (s.state === "closed" && (s.code === 4001 || s.code === 4011)) {
       signedOut(s.code === 4011 || /expired/i.test(s.reason ?? ""));
       return;
+    }
+    if (s.state === "closed" && s.code === 4005) {
+      // An administrator ended this user's connections: the client does not come back by
+      // itself. The reason is theirs, written for people.
+      notice(`You were disconnected by an administrator${s.reason ? `: ${s.reason}` : ""}. `
+        + "Reload the page to connect again.", { sticky: true });
     }
     renderConnection(s);
     if (s.state !== "open") for (const m of models.values()) m.subscribed = false;
@@ -2125,6 +2148,14 @@ async function boot() {
   });
   client.on("error", (f) => {
     if (f.code === "rate_limited") notice(describe(f));
+  });
+  // The sign-in was renewed without a reconnect, or could not be (the socket closes at the
+  // old token's expiry, and the page reconnects with the newest sign-in, or says it expired).
+  client.on("token_refreshed", ({ expiresAt }) => {
+    console.info("[gateway] token refreshed in band, valid until", new Date(expiresAt).toISOString());
+  });
+  client.on("token_refresh_failed", ({ error }) => {
+    console.info("[gateway] no in-band token refresh:", error.code);
   });
   client.connect();
 
