@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import __version__, ag_ui_frontend, ai_sdk, logs, sse, tools
 from . import protocol as p
-from .auth import AuthError, Principal, check_access
+from .auth import AuthError, Principal, check_access, check_owner
 from .errors import ErrorBody, ErrorDetail, Rejected
 from .events import TYPED_EVENT, AgentEventType, EventList, PublishBatch, PublishEvent
 from .openapi import Api
@@ -196,7 +196,7 @@ class PublishBody(msgspec.Struct, frozen=True):
     durable: bool = True
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
     events: EventList | UnsetType = UNSET
-    attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+    attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}\Z")] | None = None
     # The turn the events are written for: refused (409) once it has ended, so a late
     # answer never lands in the next turn. Without it they join whichever turn runs.
     turn_id: p.NodeId | None = None
@@ -243,6 +243,7 @@ class Conversation(msgspec.Struct, frozen=True):
     agent: str = "default"  # the agent that answers it
     client_tools: list[p.ClientTool] = []  # what its agent may ask a person
     awaiting: dict[str, str] = {}  # client tool calls awaiting an answer: call_id -> name
+    members: dict[str, str] = {}  # who it is shared with besides its owner: user -> role
 
     @classmethod
     def of(cls, chat_id: str, meta: Meta) -> Conversation:
@@ -253,7 +254,8 @@ class Conversation(msgspec.Struct, frozen=True):
                    meta.head, p.UsageTotals.of(meta.usage_billed, meta.usage_active),
                    meta.message_count, parent=meta.parent, agent=meta.agent,
                    client_tools=tools.declared(meta.tools),
-                   awaiting=msgspec.json.decode(meta.awaiting) if meta.awaiting else {})
+                   awaiting=msgspec.json.decode(meta.awaiting) if meta.awaiting else {},
+                   members=meta.members)
 
 
 class Children(msgspec.Struct, frozen=True):
@@ -580,7 +582,10 @@ async def list_conversations(request: Request) -> Response:
     cursor = None if isinstance(page.cursor, UnsetType) else Place.of_cursor(page.cursor)
     rows, reached = await _gateway(request).store.conversations(who.user_id, cursor,
                                                                 page.limit, page.wanted())
-    items = [Conversation.of(chat_id, meta) for chat_id, meta in rows]
+    # A member removed while a change of the conversation was being listed may find it
+    # again in their list, briefly: what they may no longer read is left out.
+    items = [Conversation.of(chat_id, meta) for chat_id, meta in rows
+             if who.role_in(meta) is not None]
     next_cursor = reached.cursor() if reached is not None else None
     return JSONResponse(_encode(ConversationPage(items, next_cursor)))
 
@@ -622,7 +627,7 @@ async def presence(request: Request) -> Response:
     return JSONResponse(_encode(await _gateway(request).presence.read(chat_id)))
 
 
-UserId = Annotated[str, msgspec.Meta(pattern=r"^[^:]{1,128}$")]
+UserId = Annotated[str, msgspec.Meta(pattern=r"^[^:]{1,128}\Z")]
 WITHIN_MS = 1000  # revocations and disconnections take effect everywhere within this
 
 
@@ -736,6 +741,48 @@ async def rename_conversation(request: Request) -> Response:
     return JSONResponse(_encode(Conversation.of(chat_id, await _owned(request, who, chat_id))))
 
 
+MAX_MEMBERS = 100  # a conversation's members besides its owner
+MemberRole = Literal["member", "viewer"]
+
+
+class MembersChange(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    roles: Annotated[dict[UserId, MemberRole], msgspec.Meta(max_length=MAX_MEMBERS)] = (
+        msgspec.field(default_factory=dict, name="set"))
+    remove: Annotated[list[UserId], msgspec.Meta(max_length=MAX_MEMBERS)] = (
+        msgspec.field(default_factory=list))
+
+
+class Members(msgspec.Struct, frozen=True):
+    chat_id: p.ChatId
+    owner: str
+    members: dict[str, str]  # user -> role, besides the owner
+    removed: list[str]  # who this change removed (they were members)
+
+
+@API.operation(
+    "PATCH", "/v1/conversations/{chat_id}/members",
+    summary="Share a conversation: set or remove members (owner or service)",
+    description="`set`: `{user_id: role}`, each role `member` (reads, writes messages, runs "
+    "tree operations, answers client tools) or `viewer` (reads only); `remove`: user ids. "
+    "Applied together, atomically. A user removed who was a member gets `removed` on each "
+    "of their subscriptions and streams, which end; the conversation leaves their list. "
+    "At most 100 members; the owner's own role cannot be set or removed (400).",
+    body=MembersChange, reply=Members, errors=(400, 403, 404, 413, 422, 503),
+)
+async def members(request: Request) -> Response:
+    who, chat_id = _principal(request), _chat_id(request)
+    change = await _body(request, MembersChange)
+    if not change.roles and not change.remove:
+        raise Rejected("invalid_request", "give `set` or `remove`")
+    both = set(change.roles).intersection(change.remove)
+    if both:
+        raise Rejected("invalid_request", f"{sorted(both)[0]!r} is both set and removed")
+    changed = await _gateway(request).store.set_members(
+        chat_id, who.owner_writer(), dict(change.roles), list(change.remove), MAX_MEMBERS)
+    return JSONResponse(_encode(Members(chat_id, changed.owner, changed.members,
+                                        changed.removed)))
+
+
 @API.operation(
     "POST", "/v1/conversations/{chat_id}/tool-results",
     summary="Answer a client tool call (owner or service)",
@@ -756,12 +803,12 @@ async def tool_results(request: Request) -> Response:
 
 @API.operation(
     "DELETE", "/v1/conversations/{chat_id}", summary="Delete a conversation (owner or service)",
-    description="Emits `deleted`; the history is gone.",
+    description="Emits `deleted`; the history is gone. A member or viewer gets 403.",
     status=204, errors=(400, 403, 404, 503),
 )
 async def delete_conversation(request: Request) -> Response:
     who, chat_id = _principal(request), _chat_id(request)
-    await _owned(request, who, chat_id)
+    check_owner(who, await _gateway(request).store.meta(chat_id), chat_id)
     await _gateway(request).store.delete(chat_id)
     return Response(status_code=204)
 

@@ -40,22 +40,41 @@ class Principal(msgspec.Struct, frozen=True):
         return self.role == "service"
 
     def may_access(self, owner: str) -> bool:
-        """Read, write, rename or delete a conversation owned by ``owner``."""
+        """Own a conversation owned by ``owner`` (a service owns them all)."""
         return self.is_service or owner == self.user_id
 
+    def role_in(self, meta: Meta) -> str | None:
+        """``owner`` (a service counts as one), ``member``, ``viewer``, or None."""
+        return "owner" if self.is_service else meta.role_of(self.user_id)
+
     def writer(self) -> str:
-        """The owner a store write must check for ("" lets a service write anywhere)."""
+        """Whom a store write must check for: the owner or a member ("" lets a service
+        write anywhere). The scripts check it (``write_refused`` in lua/meta.lua)."""
         return "" if self.is_service else self.user_id
+
+    def owner_writer(self) -> str:
+        """:meth:`writer` for what only the owner may do (rename, client tools, open a
+        sub-conversation, share): ``":<user>"``, since a user id has no ``:``."""
+        return "" if self.is_service else ":" + self.user_id
 
 
 def check_access(who: Principal, meta: Meta | None, chat_id: str) -> Meta:
-    """The one ownership check of a read: the conversation's state if ``who`` may have it,
-    else ``not_found`` or ``forbidden``."""
+    """The one access check of a read: the conversation's state if ``who`` may have it
+    (its owner, a member or a viewer, a service), else ``not_found`` or ``forbidden``.
+    Writes are checked by the scripts (:meth:`Principal.writer`)."""
     if meta is None:
         raise Rejected("not_found", f"conversation {chat_id!r} does not exist")
-    if not who.may_access(meta.owner):
+    if who.role_in(meta) is None:
         raise Rejected("forbidden", "you may not access this conversation")
     return meta
+
+
+def check_owner(who: Principal, meta: Meta | None, chat_id: str) -> Meta:
+    """:func:`check_access` for what only the owner (or a service) may do: delete."""
+    found = check_access(who, meta, chat_id)
+    if who.role_in(found) != "owner":
+        raise Rejected("forbidden", "only the owner may do this")
+    return found
 
 
 def issue_token(secret: str, sub: str, role: Role = "user", ttl: float = 3600.0) -> str:

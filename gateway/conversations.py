@@ -242,7 +242,8 @@ class Conversations:
         owned by the parent's owner (:meth:`Store.open_child`), answered by ``agent``
         (else the parent's)."""
         clean = clean_title(title) if title is not None else None
-        await self.store.open_child(parent, chat_id, clean, writer=who.writer(), agent=agent)
+        await self.store.open_child(parent, chat_id, clean, writer=who.owner_writer(),
+                                    agent=agent)
 
     async def children(self, chat_id: str,
                        ids: list[str] | None = None) -> list[p.ChildSummary]:
@@ -261,7 +262,7 @@ class Conversations:
         return await self.store.publish(
             chat_id, [OutEvent(type="client_tools", data=b'{"tools":' + encoded + b"}",
                                tools=encoded)],
-            writer=who.writer())
+            writer=who.owner_writer())
 
     async def answer(self, who: Principal, req: p.ToolResult) -> p.Ack:
         """A person answers a client tool call: a durable ``tool_result`` on the path, and
@@ -292,7 +293,7 @@ class Conversations:
         return await self.store.publish(
             chat_id,
             [OutEvent(type="title", data=clean_title(title).encode(), title_source="user")],
-            writer=who.writer(),
+            writer=who.owner_writer(),
         )
 
     async def end_overdue_turns(self) -> int:

@@ -168,8 +168,11 @@ class Hub:
         if room is not None:
             epoch, seq, stream, json = unpack(data)
             frame = Frame(json, seq, stream)
-            if seq is None and epoch:  # a `presence` or `typing` (envelope.py)
-                room.fan_out_signal(frame, *signal_of(epoch))
+            if seq is None and epoch:  # a `presence`, `typing` or `removed` (envelope.py)
+                if epoch[0] == "-":
+                    room.remove_user(epoch[1:], frame)
+                else:
+                    room.fan_out_signal(frame, *signal_of(epoch))
             elif room.repairing:
                 room.backlog.append((epoch, frame))
             else:

@@ -35,9 +35,9 @@ TITLE_MAX = 200
 # means the same set: a title must hold something else.
 _SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 Title = Annotated[str, msgspec.Meta(min_length=1, max_length=TITLE_MAX, pattern=f"[^{_SPACE}]")]
-NodeId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+NodeId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}\Z")]
 # An agent's name (a conversation's `agent`, `gateway agent --name`, GATEWAY_DEFAULT_AGENT).
-AGENT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+AGENT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}\Z"
 AgentName = Annotated[str, msgspec.Meta(pattern=AGENT_NAME_PATTERN)]
 # The head a tree operation expects: absent for any, null for none (an empty conversation).
 ExpectedHead = NodeId | None | msgspec.UnsetType
@@ -47,7 +47,7 @@ GATEWAY_ONLY_TYPES = frozenset(
     {"user_message", "turn_start", "cancel_requested", "deleted", "conversation",
      "client_tools",
      "stream_discarded", "head", "child", "hello", "subscribed", "unsubscribed", "left",
-     "ack", "pong", "error", "presence", "typing", "typed"}
+     "ack", "pong", "error", "presence", "typing", "typed", "members", "removed"}
 )
 
 
@@ -120,8 +120,8 @@ class Switch(msgspec.Struct, tag="switch", tag_field="type", frozen=True):
 
 
 # A tool call's id (the agent's, or the SDK's): no space, as the script keeps it in a list.
-CallId = Annotated[str, msgspec.Meta(pattern=r"^[^\s]{1,128}$")]
-ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")]
+CallId = Annotated[str, msgspec.Meta(pattern=r"^[^\s]{1,128}\Z")]
+ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}\Z")]
 
 
 class ClientTool(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -266,6 +266,26 @@ class TypingFrame(msgspec.Struct, tag="typing", tag_field="type", frozen=True):
 
     chat_id: str
     user_id: str
+    ts: int
+
+
+class MembersFrame(msgspec.Struct, tag="members", tag_field="type", frozen=True):
+    """Who shares ``chat_id`` changed (ephemeral; lua/members.lua writes it): the owner
+    and ``members``, user -> ``member`` or ``viewer``, after the change."""
+
+    chat_id: str
+    owner: str
+    members: dict[str, str]
+    ts: int
+
+
+class RemovedFrame(msgspec.Struct, tag="removed", tag_field="type", frozen=True):
+    """``user_id`` was removed from ``chat_id``: sent to that user's subscriptions and
+    streams only, each of which ends (buffer dropped)."""
+
+    chat_id: str
+    user_id: str
+    reason: str
     ts: int
 
 

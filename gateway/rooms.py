@@ -41,6 +41,10 @@ class Member(Protocol):
         """A ``presence`` (``version`` > 0) or ``typing`` frame (not for the connection
         ``skip``): not events of the log, so neither buffered nor replayed."""
 
+    def removed(self, chat_id: str, user_id: str, frame: Frame) -> None:
+        """``user_id`` was removed from the conversation (``frame``, ``removed``, says so):
+        a connection or stream of theirs ends its subscription and drops its buffer."""
+
     def resync(self, chat_id: str) -> None:
         """The conversation's history was lost or forked (Redis restarted empty, FLUSHALL,
         a failover to a replica that lagged, a gap already trimmed): positions held so far
@@ -199,6 +203,14 @@ class Room:
         chat_id = self.chat_id
         for member in list(self.members):
             member.deliver_signal(chat_id, frame, skip, version)
+
+    def remove_user(self, user_id: str, frame: Frame) -> None:
+        """A member removed from the conversation (lua/members.lua): each of this room's
+        members decides whether it is theirs. Rare, so every member is called."""
+        COUNTS.fanouts += 1
+        chat_id = self.chat_id
+        for member in list(self.members):
+            member.removed(chat_id, user_id, frame)
 
     def _streams_settled(self, frame: Frame) -> None:
         """An answer stops streaming with the frame that names it (its commit, a partial

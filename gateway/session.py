@@ -651,7 +651,12 @@ class Session:
             self._drop(chat_id)
             self._error(exc.code, exc.message, req)
             return
+        if self.subs.get(chat_id) is not sub:
+            return  # removed from it (or deleted) while reading: `removed` said so
         presence = await self._present(chat_id, sub)
+        if self.subs.get(chat_id) is not sub:
+            self._absent(chat_id, sub)
+            return
         meta, cursor = caught.meta, caught.cursor
         log.debug("subscribed at seq %d, %d replayed, recovered: %s", meta.seq,
                   len(caught.replay), caught.recovered)
@@ -687,11 +692,16 @@ class Session:
         sub.pending, sub.buffer = sub.buffer, []
         sub.buffer_bytes = 0
         meta, children = await self._state(req.chat_id)
+        if self.subs.get(req.chat_id) is not sub:
+            return  # removed from it while reading: `removed` said so
         if meta is None:
             self._drop(req.chat_id)
             self._error("not_found", "conversation was deleted", req)
             return
         presence = await self._present(req.chat_id, sub)
+        if self.subs.get(req.chat_id) is not sub:
+            self._absent(req.chat_id, sub)
+            return
         COUNTS.replays[True, False] += 1
         self._send(p.Subscribed(req.chat_id, meta.epoch, meta.seq, True, 0,
                                 _snapshot(meta, self.codec.binary, children=children,
@@ -774,6 +784,14 @@ class Session:
         elif version > sub.presence_v:
             sub.presence_v = version
             self._send_frame(frame)
+
+    def removed(self, chat_id: str, user_id: str, frame: Frame) -> None:
+        """This user was removed from the conversation: the subscription ends (live,
+        syncing or buffering), its buffer dropped, with ``removed`` saying why."""
+        if user_id != self.principal.user_id or self.subs.get(chat_id) is None:
+            return
+        self._send_frame(frame)
+        self._drop(chat_id)
 
     def _presence_sent(self, sub: Subscription, version: int) -> None:
         """The snapshot with presence ``version`` went out: a newer list held goes next."""

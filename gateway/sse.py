@@ -78,7 +78,7 @@ class SseMember:
     """
 
     __slots__ = ("_hub", "_queue", "max_bytes", "overflowed", "principal", "queued_bytes",
-                 "terminated")
+                 "removal", "terminated")
     # Ephemeral frames (but streamed deltas) are not queued; a subclass that reads them (an
     # AG-UI reply's steps: gateway/turn_reader.py) says so.
     takes_ephemeral = False
@@ -91,6 +91,7 @@ class SseMember:
         self.overflowed = False
         self.principal: Principal | None = None  # whose stream (set while it is tracked)
         self.terminated: str | None = None  # why an administrator ended it
+        self.removal: Frame | None = None  # the `removed` frame that ended it
 
     def deliver(self, chat_id: str, frame: Frame) -> None:
         if self.overflowed:
@@ -112,6 +113,12 @@ class SseMember:
 
     def deliver_signal(self, chat_id: str, frame: Frame, skip: str, version: int) -> None:
         """Presence and typing are WebSocket-only."""
+
+    def removed(self, chat_id: str, user_id: str, frame: Frame) -> None:
+        """Its user was removed from the conversation: the stream ends with ``removed``."""
+        if self.principal is not None and self.principal.user_id == user_id:
+            self.removal = frame
+            self.terminate("removed from the conversation")
 
     def resync(self, chat_id: str) -> None:
         """History lost: end the response; the reconnect gets ``event: reset``."""
@@ -305,6 +312,10 @@ async def _live(request: Request, member: SseMember, chat_id: str, cursor: Curso
         out = bytearray()
         end = False
         for entry in batch:
+            if entry is None and member.removal is not None:
+                out += format_event(b"removed", member.removal.json)
+                end = True
+                break
             if entry is None and member.terminated is not None:
                 out += b": disconnected: " + member.terminated.encode() + b"\n\n"
                 end = True

@@ -9,6 +9,9 @@ Two ephemeral frames are not the log's, and say so where the epoch goes (with no
 a ``presence`` frame ``!<version>`` (``lua/presence.lua`` writes it), a ``typing`` frame
 ``~<connection id>``, the connection it must not reach (:func:`except_connection`).
 Sessions take these themselves (:meth:`Room.fan_out_signal <gateway.rooms.Room.fan_out_signal>`).
+A ``removed`` frame is marked ``-<user id>`` (``lua/members.lua`` writes it): only that
+user's connections and streams take it, and end their subscription
+(:meth:`Room.remove_user <gateway.rooms.Room.remove_user>`).
 """
 
 from __future__ import annotations

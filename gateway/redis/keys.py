@@ -5,7 +5,8 @@ cluster slot, and its pub/sub channel is a sharded channel in that slot: on a cl
 traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``::
 
     c:{chat}:meta        hash: owner, title, status, turn_id, started_at, goal, epoch, seq,
-                         parent (a sub-conversation: its parent's chat id), ...
+                         parent (a sub-conversation: its parent's chat id), role:<user>
+                         (a member's role, "member" or "viewer": lua/members.lua), ...
     c:{chat}:stream      the event log (a Redis Stream): entry "<seq>-0", field "f" = frame
     c:{chat}:tree        hash: the conversation tree, node id -> node (lua/tree.lua)
     c:{chat}:starts      sorted set: the seq of every user message still in the log, the
@@ -19,7 +20,7 @@ traffic goes only to the shard that owns it. A user's keys share ``{u:<user>}``:
                          agent worker, scored by when it lapses (lua/presence.lua; TTL)
     c:{chat}:presence:v  the presence list's version (TTL)
     {u:<user>}:feed      sharded pub/sub channel of a user's conversation feed
-    {u:<user>}:convs     sorted set: the user's conversations by last change
+    {u:<user>}:convs     sorted set: the user's conversations by last change (owned or shared)
     wst:<sha256>         a WebSocket connection ticket: who it stands for (TTL, used once)
     {x:<n>}:expiry       sorted set n of EXPIRY_BUCKETS: conversations by last list change,
                          where retention finds old ones (gateway/retention.py)

@@ -73,6 +73,7 @@ class Published(msgspec.Struct, frozen=True):
     msg_id: str | None = None  # the user message the batch added
     filed: str | None = None  # the turn the batch's other durable events belong to
     agent: str = "default"  # the agent that answers the conversation
+    members: list[str] = []  # listed: the others whose list and feed must hear of it too
 
 
 class Meta(msgspec.Struct, frozen=True):
@@ -98,6 +99,13 @@ class Meta(msgspec.Struct, frozen=True):
     agent: str = "default"  # the agent that answers it
     tools: bytes | None = None  # JSON: the client tools (protocol ClientTool list)
     awaiting: bytes | None = None  # JSON: {call id: tool name} awaiting a person's answer
+    # The people it is shared with, besides its owner: user -> "member" | "viewer" (meta
+    # fields "role:<user>", lua/members.lua).
+    members: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def role_of(self, user_id: str) -> str | None:
+        """``owner``, ``member``, ``viewer``, or None for someone it is not shared with."""
+        return "owner" if user_id == self.owner else self.members.get(user_id)
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Meta | None:
@@ -135,6 +143,7 @@ class Meta(msgspec.Struct, frozen=True):
             agent=get("agent") or "default",
             tools=(get("tools") or "").encode() or None,
             awaiting=(get("awaiting") or "").encode() or None,
+            members={k[5:]: v for k, v in fields.items() if k.startswith("role:")},
         )
 
 

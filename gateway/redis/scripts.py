@@ -73,14 +73,16 @@ class _Refusal(msgspec.Struct, frozen=True):
     error: _ErrorBody
     owner: str | None = None  # a refused late turn_end whose usage was counted:
     feed: str | None = None  # the feed frame that tells its owner
+    members: list[str] = []  # and its members
 
 
 class Refused(Rejected):
     """A refusal that still changed what the owner's feed shows (a late turn_end's usage)."""
 
-    def __init__(self, code: str, message: str, owner: str, feed: str) -> None:
+    def __init__(self, code: str, message: str, owner: str, feed: str,
+                 members: list[str] | None = None) -> None:
         super().__init__(code, message)
-        self.owner, self.feed = owner, feed
+        self.owner, self.feed, self.members = owner, feed, members or []
 
 
 def script_arg(event: OutEvent) -> str:
@@ -171,7 +173,8 @@ class PublishScript:
             refusal = self._refusal(reply)
             error = refusal.error
             if refusal.feed is not None and refusal.owner is not None:
-                raise Refused(error.code, error.message, refusal.owner, refusal.feed) from None
+                raise Refused(error.code, error.message, refusal.owner, refusal.feed,
+                              refusal.members) from None
             raise Rejected(error.code, error.message, error.head) from None
         taken = None
         if r.message is not None:
@@ -216,6 +219,7 @@ class ReadScript:
 class Deleted(msgspec.Struct, frozen=True):
     owner: str | None = None  # None: there was no such conversation
     feed: str | None = None  # the feed frame that tells the owner's devices
+    members: list[str] = []  # the others it was shared with: their lists drop it too
     parent: str = ""  # a sub-conversation's parent
     children: list[str] = []  # the sub-conversations it had (the store deletes them)
     kept: int | None = None  # retention kept it: when (ms) it could expire next
@@ -236,6 +240,45 @@ class DeleteScript:
     def decode(self, reply: bytes) -> Deleted:
         deleted: Deleted = self._decode(reply)
         return deleted
+
+
+class MembersChanged(msgspec.Struct, frozen=True):
+    """What ``members.lua`` did."""
+
+    owner: str
+    updated_at: int
+    feed: str  # the feed frame for the owner and the members after the change
+    gone: str  # the feed frame for the removed: gone from their list
+    members: dict[str, str] = {}  # user -> role, after
+    users: list[str] = []  # the members after, sorted
+    removed: list[str] = []  # the users no longer members
+
+
+class _MembersReply(msgspec.Struct, frozen=True):
+    error: _ErrorBody | None = None
+
+
+class MembersScript:
+    """``members.lua``: set or remove a conversation's members' roles."""
+
+    def __init__(self) -> None:
+        self.script = load("meta.lua", "members.lua")
+        self._decode = msgspec.json.Decoder(MembersChanged).decode
+        self._refusal = msgspec.json.Decoder(_MembersReply).decode
+
+    def call(self, chat_id: str, writer: str, set_roles: dict[str, str],
+             remove: list[str], most: int) -> Call:
+        args: list[Any] = [room_channel(chat_id), chat_id, writer, most, len(set_roles)]
+        for user, role in set_roles.items():
+            args += [user, role]
+        return self.script, [meta_key(chat_id)], [*args, *remove]
+
+    def decode(self, reply: bytes) -> MembersChanged:
+        error = self._refusal(reply).error
+        if error is not None:
+            raise Rejected(error.code, error.message)
+        changed: MembersChanged = self._decode(reply)
+        return changed
 
 
 class ChildCreated(msgspec.Struct, frozen=True):

@@ -40,6 +40,8 @@ from .scripts import (
     DeleteScript,
     HistoryScript,
     ListScript,
+    MembersChanged,
+    MembersScript,
     PublishScript,
     ReadScript,
     Refused,
@@ -114,6 +116,7 @@ class Store:
         self._read = ReadScript(settings)
         self._delete = DeleteScript(settings)
         self._child = ChildScript()
+        self._members = MembersScript()
         self._rotate = RotateScript()
         self._path = HistoryScript()
         self._tree = TreeScript()
@@ -157,7 +160,8 @@ class Store:
                 if started_at is not None:
                     _observe_turn(result.ts, started_at)
             if result.listed and result.feed is not None:
-                await self._tell_owner(result.owner, result.feed, "ZADD", result.ts, chat_id)
+                await self._tell_owner([result.owner, *result.members], result.feed, "ZADD",
+                                       result.ts, chat_id)
                 if not result.duplicate:
                     await self._notify_owner(chat_id, events, result)
             self.check_replicated(replicas, result)  # stored either way: list and feed tell it
@@ -165,7 +169,8 @@ class Store:
         except Rejected as exc:
             REDIS.publish_errors[exc.code] += 1
             if isinstance(exc, Refused):  # the list's order stands: only the totals moved
-                await self.pipeline.execute("SPUBLISH", feed_channel(exc.owner), exc.feed)
+                await settled([self.pipeline.issue("SPUBLISH", feed_channel(user), exc.feed)
+                               for user in (exc.owner, *exc.members)])
             raise
         except (RedisError, OSError):
             REDIS.publish_errors["backend_unavailable"] += 1
@@ -211,9 +216,10 @@ class Store:
             "ZRANGEBYSCORE", presence_key(chat_id), int(time() * 1000), "+inf")
         return any(bytes(member).startswith(prefix) for member in members)
 
-    async def _tell_owner(self, owner: str, feed: str, *list_change: Any) -> None:
+    async def _tell_owner(self, users: str | list[str], feed: str, *list_change: Any) -> None:
         """Change the owner's conversation list (``ZADD``/``ZREM`` and its arguments) and
-        announce ``feed`` on the owner's feed. Both live in the owner's slot, not the
+        announce ``feed`` on the owner's feed, and the same for each member when ``users``
+        lists them after the owner. Both live in each user's slot, not the
         conversation's, so they cannot join its script: only list-visible changes pay this
         second write (one round trip: both go out in the same batch). The same change goes
         to the conversation's retention bucket (:mod:`gateway.retention`), in that batch."""
@@ -221,9 +227,10 @@ class Store:
         if command == "ZADD":  # a late, older change never moves it back: list walks rely on it
             args = ["GT", *args]
         issue = self.pipeline.issue
-        await settled([issue(command, index_key(owner), *args),
-                       issue(command, expiry_key(expiry_bucket(args[-1])), *args),
-                       issue("SPUBLISH", feed_channel(owner), feed)])
+        everyone = [users] if isinstance(users, str) else users
+        await settled([issue(command, expiry_key(expiry_bucket(args[-1])), *args),
+                       *(issue(command, index_key(user), *args) for user in everyone),
+                       *(issue("SPUBLISH", feed_channel(user), feed) for user in everyone)])
 
     async def read(self, chat_id: str, after: int | None, limit: int,
                    create_owner: str = "", create_agent: str = "") -> History:
@@ -278,7 +285,8 @@ class Store:
             *self._delete.call(chat_id, untouched_ms))
         deleted = self._delete.decode(reply)
         if deleted.owner is not None and deleted.feed is not None:
-            await self._tell_owner(deleted.owner, deleted.feed, "ZREM", chat_id)
+            await self._tell_owner([deleted.owner, *deleted.members], deleted.feed, "ZREM",
+                                   chat_id)
             self.check_replicated(replicas)
         late = set(deleted.children) - set(first)
         await asyncio.gather(*(self._delete_family(child) for child in late))
@@ -338,7 +346,8 @@ class Store:
                          existing_ok: bool = False, agent: str = "") -> None:
         """Create ``chat_id`` as a sub-conversation of ``parent``, owned by the parent's
         owner, and record it in the parent: a durable ``child`` event. ``writer`` is the
-        user who must own the parent ("" for a service); ``title`` is clean already.
+        user who must own the parent (``":<user>"``; "" for a service); ``title`` is clean
+        already.
 
         The child is written first, then the parent (two slots): a crash in between leaves
         a child its parent does not list, never a parent listing a child that does not
@@ -351,8 +360,10 @@ class Store:
         found = await self.meta(parent)
         if found is None:
             raise Rejected("not_found", f"conversation {parent!r} does not exist")
-        if writer and writer != found.owner:
-            raise Rejected("forbidden", "conversation belongs to another user")
+        if writer and writer.removeprefix(":") != found.owner:
+            raise Rejected("forbidden", "only the owner may open a sub-conversation"
+                           if found.role_of(writer.removeprefix(":")) else
+                           "conversation belongs to another user")
         made = self._child.decode(await self.pipeline.evalsha(
             *self._child.call(chat_id, found.owner, parent, self._new_epoch(),
                               agent or found.agent)))
@@ -374,6 +385,26 @@ class Store:
             if exc.code in ("not_found", "forbidden"):  # the parent went meanwhile
                 await self.delete(chat_id)
             raise
+
+    async def set_members(self, chat_id: str, writer: str, set_roles: dict[str, str],
+                          remove: list[str], most: int) -> MembersChanged:
+        """Share the conversation: ``set_roles`` (user -> ``member``/``viewer``) and
+        ``remove``, atomically, by ``writer`` (``":<owner>"``; "" for a service); at most
+        ``most`` members after. The room hears it from the script (``members``, and
+        ``removed`` to each user removed); then the owner's and every member's list and feed
+        get the conversation, and each removed user's lose it."""
+        changed = self._members.decode(await self.pipeline.evalsha(*self._members.call(
+            chat_id, writer, set_roles, remove, most)))
+        issue = self.pipeline.issue
+        await settled([
+            *(issue("ZADD", index_key(user), "GT", changed.updated_at, chat_id)
+              for user in changed.users),
+            *(issue("SPUBLISH", feed_channel(user), changed.feed)
+              for user in (changed.owner, *changed.users)),
+            *(issue("ZREM", index_key(user), chat_id) for user in changed.removed),
+            *(issue("SPUBLISH", feed_channel(user), changed.gone) for user in changed.removed),
+        ])
+        return changed
 
     async def expiring(self, before: int, per_bucket: int) -> list[str]:
         """Conversations whose last list change is older than ``before`` (ms): the oldest

@@ -7,7 +7,8 @@
 -- ARGV[3] retention: "" or "0" deletes; else ms: delete only if nothing was stored for
 --         that long (updated_at, by this server's clock) and no turn runs
 -- Replies {"owner", "feed": the feed frame that announces the deletion, "parent" (a
--- sub-conversation's), "children": the sub-conversations it had}, or {} when the
+-- sub-conversation's), "children": the sub-conversations it had, "members": the others it
+-- was shared with (their lists and feeds are told too)}, or {} when the
 -- conversation does not exist, or {"kept": ms} when retention keeps it: when to look again
 -- (its last change; now while a turn runs). Its children are the store's to delete: they
 -- live in other slots.
@@ -28,12 +29,17 @@ local epoch = redis.call('HGET', KEYS[1], 'epoch')
 local seq = redis.call('HGET', KEYS[1], 'seq')
 local parent = redis.call('HGET', KEYS[1], 'parent') or ''
 local children = redis.call('ZRANGE', KEYS[#KEYS], 0, -1)
+local members = {}
+local flat = redis.call('HGETALL', KEYS[1])
+for i = 1, #flat, 2 do
+  if string.sub(flat[i], 1, 5) == 'role:' then members[#members + 1] = string.sub(flat[i], 6) end
+end
 redis.call('DEL', unpack(KEYS))
 redis.call('SPUBLISH', ARGV[1], envelope(nil, nil, nil, nil,
   '{"type":"deleted","chat_id":' .. chat .. ',"seq":null,"ts":' .. now_text ..
   ',"data":{"epoch":' .. cjson.encode(epoch) .. ',"last_seq":' .. seq .. '}}'))
 return cjson.encode({owner = owner, parent = parent,
-  children = #children > 0 and children or nil,
+  children = #children > 0 and children or nil, members = #members > 0 and members or nil,
   feed = '{"type":"conversation","chat_id":' .. chat ..
   ',"title":null,"status":"idle","updated_at":' .. now_text .. ',"last_seq":' .. seq ..
   ',"goal_state":null,"preview":null,"created":false,"deleted":true}'})

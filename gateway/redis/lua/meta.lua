@@ -51,8 +51,47 @@ local function usage_add(total, usage)
   return total
 end
 
--- The frame that tells the owner's devices (their conversation feed) about the
--- conversation's state. The feed channel lives in the owner's slot, so the store publishes
+-- The people a conversation is shared with besides its owner (meta fields "role:<user>"),
+-- as {user = role}, and their ids in a list.
+local function members_of(m)
+  local roles, users = {}, {}
+  for k, v in pairs(m) do
+    if string.sub(k, 1, 5) == 'role:' then
+      local user = string.sub(k, 6)
+      roles[user] = v
+      users[#users + 1] = user
+    end
+  end
+  table.sort(users)
+  return roles, users
+end
+
+-- Whether ``writer`` (publish.lua's ARGV[8]) may write: "" anyone (a service), "<user>"
+-- the owner or a member, ":<user>" only the owner. Else the refusal's message.
+local function write_refused(m, writer)
+  if writer == '' or writer == m.owner or writer == ':' .. m.owner then return nil end
+  if string.sub(writer, 1, 1) == ':' then
+    local role = m['role:' .. string.sub(writer, 2)]
+    return role and 'only the owner may do this' or 'conversation belongs to another user'
+  end
+  local role = m['role:' .. writer]
+  if role == 'member' then return nil end
+  return role == 'viewer' and 'a viewer may only read this conversation'
+    or 'conversation belongs to another user'
+end
+
+-- The members as the feed frame's JSON object ({} when none).
+local function members_json(m)
+  local roles, users = members_of(m)
+  local parts = {}
+  for _, user in ipairs(users) do
+    parts[#parts + 1] = cjson.encode(user) .. ':' .. cjson.encode(roles[user])
+  end
+  return '{' .. table.concat(parts, ',') .. '}'
+end
+
+-- The frame that tells the owner's and the members' devices (their conversation feeds)
+-- about the conversation's state. The feed channel lives in the owner's slot, so the store publishes
 -- it after the script (a script may touch only its own slot). ``now_text``: now_ms's text.
 local function announce(chat, m, now_text, created)
   return '{"type":"conversation","chat_id":' .. cjson.encode(chat) ..
@@ -66,5 +105,6 @@ local function announce(chat, m, now_text, created)
     ',"message_count":' .. (m.msgs or '0') ..
     ',"parent":' .. ((m.parent or '') ~= '' and cjson.encode(m.parent) or 'null') ..
     ',"agent":' .. cjson.encode(agent_of(m)) ..
+    ',"owner":' .. cjson.encode(m.owner) .. ',"members":' .. members_json(m) ..
     ',"created":' .. (created and 'true' or 'false') .. ',"deleted":false}'
 end

@@ -10,11 +10,15 @@ for typ in string.gmatch(ARGV[9], '[^,]+') do
 end
 local children = KEYS[5 + k]
 
-local m_owner = nil
+local m_owner, m_meta = nil, nil
 local late_feed = nil  -- a refused late turn_end's usage was counted: the feed tells it
 local function refuse(code, message, head)
   local reply = {error = {code = code, message = message, head = head}}
-  if late_feed then reply.owner, reply.feed = m_owner, late_feed end
+  if late_feed then
+    reply.owner, reply.feed = m_owner, late_feed
+    local _, users = members_of(m_meta)
+    if #users > 0 then reply.members = users end
+  end
   return cjson.encode(reply)
 end
 
@@ -46,9 +50,8 @@ if not m then
   m = new_meta(ARGV[4], ARGV[5], now_text, ARGV[18])
   created = true
 end
-if ARGV[8] ~= '' and ARGV[8] ~= m.owner then
-  return refuse('forbidden', 'conversation belongs to another user')
-end
+local why = write_refused(m, ARGV[8])
+if why then return refuse('forbidden', why) end
 
 local function close_stream(typ)
   redis.call('DEL', text_key[typ])
@@ -108,7 +111,7 @@ local function count_late_usage(turn_id, data)
     fields[3], fields[4] = 'usage_active', m.usage_active
   end
   redis.call('HSET', meta, unpack(fields))
-  m_owner, late_feed = m.owner, announce(chat, m, now_text, false)
+  m_owner, m_meta, late_feed = m.owner, m, announce(chat, m, now_text, false)
   return true
 end
 
@@ -499,5 +502,9 @@ if #seqs > 0 then result.seqs = seqs end
 if idem then
   redis.call('SET', idem, cjson.encode(result), 'EX', tonumber(ARGV[3]))
 end
-if listed then result.feed = announce(chat, m, now_text, created) end
+if listed then
+  result.feed = announce(chat, m, now_text, created)
+  local _, users = members_of(m)
+  if #users > 0 then result.members = users end
+end
 return cjson.encode(result)

@@ -71,7 +71,8 @@ Streams
 
 Received items are kept in an in-memory item queue until consumed. Each item is consumed once,
 by whichever iterator reads it: :meth:`GatewayClient.events` (one chat: :class:`Event` and
-:class:`Recovery` items; it stops after ``leave``, after a ``deleted`` event, and raises
+:class:`Recovery` items; it stops after ``leave``, after a ``deleted`` event or a
+``removed`` one (the user was removed from a shared conversation), and raises
 :class:`RequestError` when an automatic resubscribe is refused) or
 :meth:`GatewayClient.all_events` (every chat, in arrival order, also yielding :class:`Ended`
 markers). Use one style per chat. :meth:`GatewayClient.feed` yields the conversation feed

@@ -468,12 +468,13 @@ class ConnectionLoop:
             seq = None
         self._items.put(chat_id, Event(chat_id, kind, seq, frame.get("ts"), frame.get("data"),
                                        frame, stream_text))
-        if kind == "deleted":
-            # The server ended the subscription; resubscribing would recreate the chat.
+        if kind in ("deleted", "removed"):
+            # The server ended the subscription; resubscribing would recreate the chat (or,
+            # for a user removed from a shared one, be refused).
             chat.desired = False
             chat.seq = chat.epoch = chat.live_gen = chat.buffered_gen = None
             chat.tree.reset()
-            self._items.put(chat_id, Ended(chat_id, "deleted"))
+            self._items.put(chat_id, Ended(chat_id, "removed" if kind == "removed" else "deleted"))
 
     def _on_ack_head(self, conn: Conn, request: dict[str, Any], frame: dict[str, Any]) -> None:
         """A message's or tree operation's ack tells the head after it, as of its seq: taken

@@ -84,7 +84,7 @@ class Ended:
     """The end of a chat's subscription (only yielded by :meth:`GatewayClient.all_events`)."""
 
     chat_id: str
-    reason: Literal["left", "deleted", "error"]
+    reason: Literal["left", "deleted", "removed", "error"]
     error: RequestError | None = None
 
 
