@@ -66,7 +66,7 @@ class PublishEvent(msgspec.Struct, frozen=True):
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
     # Which run of the turn a streamed delta, or its commit, comes from: a redelivered turn
     # (another worker, another attempt) discards the open stream of the previous one.
-    attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+    attempt: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}\Z")] | None = None
 
 
 EventList = Annotated[list[Annotated[PublishEvent, TYPED_EVENT]],

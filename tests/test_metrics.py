@@ -142,11 +142,12 @@ async def test_a_session_moves_the_counts_by_what_it_did(
     assert moved(before, after, "gateway_frames_out_total", **{"class": "replay"}) >= 1
     assert moved(before, after, "gateway_bytes_out_total") > 0
     # Fan-out: user_message, turn_start, head and the delta to one member, the commit and
-    # turn_end to two (a fan-out per frame, deliveries by the size of the room).
-    assert moved(before, after, "gateway_fanouts_total") == 6
+    # turn_end to two (a fan-out per frame, deliveries by the size of the room); and the
+    # presence frames the joins and leaves made, coalesced, so how many depends on timing.
+    assert moved(before, after, "gateway_fanouts_total") >= 6
     deliveries = sum(moved(before, after, "gateway_deliveries_total", lane=lane)
                      for lane in ("direct", "handed"))
-    assert deliveries == 4 * 1 + 2 * 2
+    assert deliveries >= 4 * 1 + 2 * 2  # presence frames are handed to the room too
     # Publishes: the message, the delta, the commit with turn_end, the refused turn_end.
     assert moved(before, after, "gateway_publish_seconds_count") == 4
     assert moved(before, after, "gateway_publish_errors_total", code="no_active_turn") == 1

@@ -188,6 +188,8 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
         # A subscriber arriving mid-turn is hydrated with the running turn.
         async with connect(gateway.url(user)) as late:
             snap = (await late.subscribe(chat_id))["snapshot"]
+            presence = snap.pop("presence")  # the three connections of the user, at most
+            assert [u["user_id"] for u in presence["users"]] == [user]
             assert snap == {"title": "Trip plan", "status": "running", "turn_id": turn_id,
                             "started_at": turn_start["data"]["started_at"], "goal_state": None,
                             "streams": [], "head": turn_id,
@@ -220,13 +222,13 @@ async def test_goal_and_turn_end_reach_subscribers_feed_and_new_subscribers(
 
     expected = {"title": "Trip plan", "status": "idle", "turn_id": None, "started_at": None,
                 "goal_state": goal["data"], "streams": [], "head": turn_id,
-                "usage": {"billed": {}, "active": {}}, "message_count": 2}
-    async with connect(gateway.url(user)) as fresh:
-        sub = await fresh.subscribe(chat_id)
-        assert sub["seq"] == 6 and sub["snapshot"] == expected
-    async with connect(gateway.url(user), binary=True) as fresh:  # MessagePack too
-        sub = await fresh.subscribe(chat_id)
-        assert sub["seq"] == 6 and sub["snapshot"] == expected
+                "usage": {"billed": {}, "active": {}}, "message_count": 2, "agent": "default"}
+    for binary in (False, True):  # MessagePack too
+        async with connect(gateway.url(user), binary=binary) as fresh:
+            sub = await fresh.subscribe(chat_id)
+            snapshot = sub["snapshot"]
+            assert [u["user_id"] for u in snapshot.pop("presence")["users"]] == [user]
+            assert sub["seq"] == 6 and snapshot == expected
     state = await conversation(gateway, user, chat_id)
     assert state["status"] == "idle" and state["goal_state"] == goal["data"]
 
