@@ -39,6 +39,7 @@ from . import protocol as p
 from . import turn_reader as tr
 from .auth import Principal, check_access
 from .errors import Rejected
+from .request_parts import chat_id_of, gateway_of, principal_of
 from .turn_reader import Part, TurnParts
 
 if TYPE_CHECKING:
@@ -244,23 +245,7 @@ class MessageBuilder:
 # --- requests --------------------------------------------------------------------------
 
 
-def _gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
-
-
-def _who(request: Request) -> Principal:
-    who = _gateway(request).authenticate(request)
-    logs.bind(user_id=who.user_id)
-    return who
-
-
-def _chat_id(request: Request) -> str:
-    chat_id: str = request.path_params["chat_id"]
-    if not p.CHAT_ID_RE.match(chat_id):
-        raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
-    logs.about_chat(chat_id)
-    return chat_id
+_gateway, _who, _chat_id = gateway_of, principal_of, chat_id_of
 
 
 async def _read_body(request: Request) -> bytes:

@@ -31,6 +31,7 @@ from .openapi import Api
 from .redis.agent_registry import LiveAgent
 from .redis.listing import CURSOR_PATTERN, ListFilter, Place
 from .redis.records import Meta
+from .request_parts import chat_id_of, gateway_of, principal_of
 
 if TYPE_CHECKING:
     from .runtime import Gateway
@@ -348,23 +349,7 @@ class Ready(msgspec.Struct, frozen=True):
 # --- reading a request ----------------------------------------------------------------
 
 
-def _gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
-
-
-def _principal(request: Request) -> Principal:
-    who = _gateway(request).authenticate(request)
-    logs.bind(user_id=who.user_id)
-    return who
-
-
-def _chat_id(request: Request) -> str:
-    chat_id: str = request.path_params["chat_id"]
-    if not p.CHAT_ID_RE.match(chat_id):
-        raise Rejected("invalid_request", f"chat_id must match {p.CHAT_ID_PATTERN}")
-    logs.about_chat(chat_id)
-    return chat_id
+_gateway, _principal, _chat_id = gateway_of, principal_of, chat_id_of
 
 
 def _query(request: Request, kind: type[T]) -> T:
