@@ -233,8 +233,72 @@ export interface ConversationFrame {
   parent?: string | null;
   /** The agent that answers it; absent when deleted. */
   agent?: string;
+  /** Its owner; absent when deleted. */
+  owner?: string;
+  /** Whom it is shared with besides its owner, {user_id: role}; absent when deleted. */
+  members?: Record<string, "member" | "viewer">;
   created: boolean;
   deleted: boolean;
+  /** With `deleted`: this user was removed from it (it is gone from their list only). */
+  removed?: boolean;
+}
+
+/** A user's role in a conversation (protocol.md, "Shared conversations"). */
+export type Role = "owner" | "member" | "viewer";
+
+/** Who shares a conversation: its owner, and the others with their role. */
+export interface Members {
+  owner: string;
+  members: Record<string, "member" | "viewer">;
+}
+
+/** Who shares a conversation changed (ephemeral, to its subscribers). */
+export interface MembersFrame extends Members {
+  type: "members";
+  chat_id: string;
+  ts: number;
+}
+
+/** This connection's user was removed from the conversation: its subscription ended. */
+export interface RemovedFrame {
+  type: "removed";
+  chat_id: string;
+  user_id: string;
+  reason: string;
+  ts: number;
+}
+
+/** The body of `PATCH /v1/conversations/{chat_id}/members` (at least one of the two). */
+export interface MembersChange {
+  set?: Record<string, "member" | "viewer">;
+  remove?: string[];
+}
+
+/** Its reply: the whole list after the change, and whom it removed. */
+export interface MembersResult extends Members {
+  chat_id: string;
+  removed: string[];
+}
+
+export interface SetMembersOptions {
+  /** ms; default the client's httpTimeout. */
+  timeout?: number;
+  signal?: AbortSignal;
+}
+
+/** The `members` event: who shares a chat now. */
+export interface MembersEvent extends Members {
+  chatId: string;
+  frame: MembersFrame;
+}
+
+/** The `removed` event: the chat's subscription ended for good (not resubscribed). */
+export interface RemovedEvent {
+  chatId: string;
+  userId: string;
+  /** The gateway's words, for people. */
+  reason: string;
+  frame: RemovedFrame;
 }
 
 /** Any event of a conversation. `seq` is null on ephemeral events (deltas, usually). */
@@ -383,7 +447,7 @@ export interface WsTicket {
 export type ServerFrame =
   | HelloFrame | SubscribedFrame | UnsubscribedFrame | LeftFrame | AckFrame | PongFrame
   | ErrorFrame | ConversationFrame | PresenceFrame | TypingFrame | TypedFrame
-  | TokenExpiringFrame | RefreshedFrame | EventFrame;
+  | TokenExpiringFrame | RefreshedFrame | MembersFrame | RemovedFrame | EventFrame;
 
 // --- the client --------------------------------------------------------------------------
 
@@ -678,6 +742,13 @@ export interface GatewayClientEvents {
   presence: PresenceEvent;
   /** Who is typing in a live chat changed. */
   typing: TypingEvent;
+  /** Who shares a chat changed (a `members` frame): members() has the list. */
+  members: MembersEvent;
+  /**
+   * This user was removed from a chat: its subscription ended and the client forgot it
+   * (never resubscribed; its queued writes reject with "forbidden"). Close it.
+   */
+  removed: RemovedEvent;
   ack: AckFrame;
   error: ErrorFrame;
   closed: ClosedEvent;
@@ -804,6 +875,16 @@ export declare class GatewayClient {
   createConversation(options?: CreateConversationOptions): Promise<Conversation>;
   /** `GET /v1/agents`: the agents with a live worker now. */
   listAgents(options?: ListAgentsOptions): Promise<AgentList>;
+  /**
+   * `PATCH /v1/conversations/{chat_id}/members` (its owner or a service), once: resolves
+   * with the list after the change (members() keeps it). Rejects with a GatewayError (403
+   * "forbidden", 400 "invalid_request", 404 "not_found").
+   */
+  setMembers(chatId: string, change: MembersChange, options?: SetMembersOptions): Promise<MembersResult>;
+  /** Who shares a conversation, as last heard (feed, `members` frames, setMembers()); null: not known. */
+  members(chatId: string): Members | null;
+  /** A user's role in it (default: this connection's user); null: none, or not known. */
+  role(chatId: string, userId?: string | null): Role | null;
 
   /**
    * Resolves with the `subscribed` frame, or null if unsubscribed, left or deleted before it

@@ -42,6 +42,10 @@
 //   with the highest `v`) and who is typing there (typing(), the `typing` event: heard
 //   within three `typing_interval`s, not since sent their message), and sends the person's
 //   own typing at most once per `typing_interval` (sendTyping()).
+// - keeps who shares each conversation (members(): its owner and {user_id: role}, from the
+//   feed's `conversation` frames, the `members` frames and setMembers(); role()), tells the
+//   app with a `members` event, and on `removed` (its user was taken off the conversation)
+//   ends that chat: forgotten, never resubscribed, the app hears `removed` with the reason.
 //
 // The public types live in gateway-client.d.ts; the JSDoc below uses them, and
 // tests/js (tsc) checks this file against them and the .d.ts against this file.
@@ -50,7 +54,8 @@
  * @import {
  *   AckFrame, AgentList, Conversation, ConnectionState, ConversationFrame, ConversationPage,
  *   CreateConversationOptions, EditOptions, ErrorFrame, EventFrame, ListAgentsOptions,
- *   ListConversationsOptions, RequestOptions, WsTicket,
+ *   ListConversationsOptions, RequestOptions, WsTicket, Members, MembersChange, MembersFrame,
+ *   MembersResult, RemovedFrame, Role, SetMembersOptions,
  *   GatewayClientEvents, GatewayClientOptions, HeadMove, HelloFrame, HistoryPage, LeftFrame,
  *   PongFrame, PresenceFrame, PresenceList, RequestId, SendMessageOptions, ServerFrame,
  *   Siblings, Since, StateChange, StreamState, SubscribedEvent, SubscribedFrame,
@@ -576,6 +581,8 @@ export class GatewayClient {
     this._listeners = new Map();
     /** @type {Map<string, ChatState>} */
     this._chats = new Map(); // chat_id -> ChatState (see _chat)
+    /** @type {Map<string, Members>} chat_id -> who shares it (see members()) */
+    this._members = new Map();
     /** @type {OutboxEntry[]} */
     this._outbox = []; // queued messages and cancels, in order; removed when answered
     /** @type {Map<RequestId, PendingRequest>} */
@@ -1148,6 +1155,98 @@ export class GatewayClient {
    */
   async listAgents(options = {}) {
     return this.request("GET", "/v1/agents", { timeout: options.timeout, signal: options.signal });
+  }
+
+  /**
+   * Share a conversation (`PATCH /v1/conversations/{chat_id}/members`, its owner or a
+   * service): `set` gives users a role ("member" or "viewer"), `remove` takes users off,
+   * together. Resolves with `{chat_id, owner, members, removed}` (`members`: the whole list
+   * after the change), which members() keeps. Asked once; a refusal rejects (403
+   * "forbidden", 400 "invalid_request", 404 "not_found").
+   * @param {string} chatId
+   * @param {MembersChange} change
+   * @param {SetMembersOptions} [options]
+   * @returns {Promise<MembersResult>}
+   */
+  async setMembers(chatId, change, options = {}) {
+    /** @type {MembersChange} */
+    const body = {};
+    if (change.set != null) body.set = change.set;
+    if (change.remove != null) body.remove = change.remove;
+    /** @type {MembersResult} */
+    const result = await this.request("PATCH", `/v1/conversations/${encodeURIComponent(chatId)}/members`,
+      { body, timeout: options.timeout, signal: options.signal });
+    if (result && typeof result.owner === "string") {
+      this._members.set(chatId, { owner: result.owner, members: { ...(result.members ?? {}) } });
+    }
+    return result;
+  }
+
+  /**
+   * Who shares a conversation, as last heard (a `conversation` or `members` frame, or
+   * setMembers()): its owner and `members` ({user_id: "member" | "viewer"}, the owner not
+   * in it), or null when not known.
+   * @param {string} chatId
+   * @returns {Members | null}
+   */
+  members(chatId) {
+    const known = this._members.get(chatId);
+    return known ? { owner: known.owner, members: { ...known.members } } : null;
+  }
+
+  /**
+   * A user's role in a conversation ("owner", "member", "viewer"; null: none, or not known),
+   * from members(). `userId` defaults to this connection's user (hello's `user_id`).
+   * @param {string} chatId
+   * @param {string | null} [userId]
+   * @returns {Role | null}
+   */
+  role(chatId, userId) {
+    const known = this._members.get(chatId);
+    const who = userId ?? this._hello?.user_id ?? null;
+    if (!known || who == null) return null;
+    if (known.owner === who) return "owner";
+    return known.members[who] ?? null;
+  }
+
+  /** @param {ConversationFrame} frame */
+  _onConversation(frame) {
+    if (frame.deleted) this._members.delete(frame.chat_id);
+    else if (typeof frame.owner === "string") {
+      this._members.set(frame.chat_id, { owner: frame.owner, members: { ...(frame.members ?? {}) } });
+    }
+    this._emit("conversation", frame);
+  }
+
+  /** @param {MembersFrame} frame */
+  _onMembers(frame) {
+    const known = { owner: frame.owner, members: { ...(frame.members ?? {}) } };
+    this._members.set(frame.chat_id, known);
+    this._emit("members", { chatId: frame.chat_id, ...known, frame });
+  }
+
+  /**
+   * This connection's user was removed from the conversation: the gateway ended every
+   * subscription of theirs to it (its buffer too). The chat is forgotten like a left one
+   * and never resubscribed (a subscribe would be refused); the app hears `removed`.
+   * @param {RemovedFrame} frame
+   */
+  _onRemoved(frame) {
+    const chat = this._chats.get(frame.chat_id);
+    this._members.delete(frame.chat_id);
+    if (chat) {
+      this._chats.delete(chat.id);
+      if (chat.subReq != null) this._pending.delete(chat.subReq);
+      for (const w of chat.waiters) w.resolve(null);
+      this._forgetPresence(chat);
+      // Writes still queued for it would only be refused.
+      for (const entry of [...this._outbox]) {
+        if (entry.frame.chat_id !== chat.id) continue;
+        this._settle(entry);
+        entry.reject(new GatewayError("forbidden", frame.reason));
+      }
+    }
+    this._emit("removed", { chatId: frame.chat_id, userId: frame.user_id, reason: frame.reason, frame });
   }
 
   /**
@@ -1893,7 +1992,13 @@ export class GatewayClient {
         this._onError(/** @type {ErrorFrame} */ (frame));
         return;
       case "conversation":
-        this._emit("conversation", /** @type {ConversationFrame} */ (frame));
+        this._onConversation(/** @type {ConversationFrame} */ (frame));
+        return;
+      case "members":
+        this._onMembers(/** @type {MembersFrame} */ (frame));
+        return;
+      case "removed":
+        this._onRemoved(/** @type {RemovedFrame} */ (frame));
         return;
       case "token_expiring":
         this._refreshToken(/** @type {TokenExpiringFrame} */ (frame));
