@@ -2267,3 +2267,110 @@ def test_the_agent_is_here_while_it_answers(page: Any, demo: GatewayProcess, bro
             me_here(page, 1)
     finally:
         gate.set()
+
+
+# --- shared conversations: who wrote what, a viewer reads, a removed member's chat closes --
+
+
+@contextlib.contextmanager
+def page_of(browser: Any, gw: GatewayProcess, uid: str, size: str,
+            chat: str | None = None) -> Iterator[Any]:
+    """Another user's page (their own token, in a tab of its own), checked for errors."""
+    other = browser.new_page()
+    errors: list[str] = []
+    other.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        sized(other, size)
+        open_app(other, gw, uid, chat=chat)
+        yield other
+    finally:
+        other.close()
+    assert not errors, f"uncaught errors in {uid}'s page: {errors}"
+
+
+def share(gw: GatewayProcess, owner: str, chat_id: str, body: dict[str, Any]) -> None:
+    resp = httpx.patch(f"{gw.http}/v1/conversations/{chat_id}/members", json=body,
+                       headers=gw.headers(owner))
+    assert resp.status_code == 200, resp.text
+
+
+def authors(page: Any) -> Any:
+    return page.get_by_test_id("messages").get_by_test_id("message-author")
+
+
+@BOTH
+def test_a_shared_conversation_says_who_wrote_each_message(page: Any, browser: Any,
+                                                           demo: GatewayProcess, user: str,
+                                                           size: str) -> None:
+    sized(page, size)
+    member, viewer = f"{user}-member", f"{user}-viewer"
+    open_app(page, demo, user)
+    chat_id = new_chat(page, "from the owner")
+    expect(page.get_by_test_id("turn-latency")).to_have_count(1, timeout=TURN)
+    expect(authors(page)).to_have_count(1)
+    expect(authors(page)).to_be_hidden()  # not shared yet: no names
+    share(demo, user, chat_id, {"set": {member: "member", viewer: "viewer"}})
+    # The owner's page hears it live (`members`): who shares it, and a name on each message.
+    sharers = page.get_by_test_id("chat-sharing").get_by_test_id("sharer")
+    expect(sharers).to_have_count(3, timeout=TURN)
+    expect(sharers).to_have_text(["You (owner)", f"{member} (member)", f"{viewer} (can read)"])
+    expect(authors(page)).to_have_text(["You"])
+    with page_of(browser, demo, member, size) as other:
+        # The conversation is in the member's list; opened, it names its owner's message.
+        show_sidebar(other)
+        row = sidebar_item(other, chat_id)
+        expect(row.get_by_test_id("conversation-shared")).to_have_text(f"shared by {user}",
+                                                                       timeout=TURN)
+        row.locator(".select").click()
+        synced(other, chat_id)
+        expect(authors(other)).to_have_text([user], timeout=TURN)
+        expect(other.get_by_test_id("message-input")).to_be_enabled()
+        send(other, "from the member")
+        expect(other.get_by_test_id("turn-latency")).to_have_count(2, timeout=TURN)
+        expect(authors(other)).to_have_text([user, "You"], timeout=TURN)
+        expect(messages(other, "user")).to_have_text(["from the owner", "from the member"])
+        assert axe_problems(other, f"a member's page ({size})") == []
+        assert_fits(other, f"a member's page ({size})")
+    page.bring_to_front()
+    expect(authors(page)).to_have_text(["You", member], timeout=TURN)
+    mine = page.locator('[data-testid="messages"] .msg.user').nth(1)
+    expect(mine).to_have_attribute("data-by", member)
+    expect(mine.locator(".sr-only")).to_have_text(f"{member} said: ")
+
+
+@BOTH
+def test_a_viewer_reads_and_a_removed_member_sees_the_chat_close(
+        page: Any, browser: Any, demo: GatewayProcess, user: str, size: str) -> None:
+    sized(page, size)
+    member, viewer = f"{user}-member", f"{user}-viewer"
+    made = httpx.post(f"{demo.http}/v1/conversations", json={"title": "Shared plan"},
+                      headers=demo.headers(user))
+    assert made.status_code == 201, made.text
+    chat_id = made.json()["chat_id"]
+    share(demo, user, chat_id, {"set": {member: "member", viewer: "viewer"}})
+    # The viewer: the composer and Undo are disabled, and the page says why.
+    open_app(page, demo, viewer, chat=chat_id)
+    synced(page, chat_id)
+    expect(page.get_by_test_id("read-only")).to_be_visible(timeout=TURN)
+    expect(page.get_by_test_id("read-only")).to_contain_text("You can read this conversation")
+    expect(page.get_by_test_id("message-input")).to_be_disabled()
+    expect(page.get_by_test_id("send")).to_be_disabled()
+    expect(page.get_by_test_id("undo")).to_be_disabled()
+    assert axe_problems(page, f"a viewer's page ({size})") == []
+    assert_fits(page, f"a viewer's page ({size})")
+    with page_of(browser, demo, member, size, chat=chat_id) as other:
+        synced(other, chat_id)
+        expect(other.get_by_test_id("message-input")).to_be_enabled()
+        expect(other.get_by_test_id("read-only")).to_be_hidden()
+        # The owner takes the member off: their chat closes with a word, and leaves the list.
+        share(demo, user, chat_id, {"remove": [member]})
+        expect(other.get_by_test_id("gone")).to_contain_text(
+            "You were removed from this conversation", timeout=TURN)
+        expect(other.get_by_test_id("chat")).to_have_attribute("data-chat-id", "")
+        expect(sidebar_item(other, chat_id)).to_have_count(0)
+        assert chat_id not in other.evaluate("() => demo.client.subscriptions")
+    # The viewer made a member writes from now on (a `members` frame), without a reload.
+    page.bring_to_front()
+    share(demo, user, chat_id, {"set": {viewer: "member"}})
+    expect(page.get_by_test_id("message-input")).to_be_enabled(timeout=TURN)
+    expect(page.get_by_test_id("read-only")).to_be_hidden()

@@ -12,6 +12,11 @@
 // several; the header names the conversation's, and who is here now (each person with
 // their devices, the agent while it answers), live; "alice is typing…" shows above the
 // message box (this person's own other devices too: "You are typing on another device…").
+// A shared conversation (protocol.md, "Shared conversations") says who shares it in the
+// header, labels each person's message with its author ("You" for oneself) and an answer to
+// the agent with who gave it; a viewer reads it, with the composer, the tree's controls and
+// the answers disabled ("You can read this conversation"); a person removed from it sees it
+// close ("You were removed from this conversation") and leave the list.
 // Everything it knows comes from the gateway:
 // GET /v1/conversations, GET .../events (the active path and its forks), and the WebSocket
 // through gateway-client.js (which keeps each chat's tree).
@@ -36,6 +41,7 @@ const params = new URLSearchParams(location.search);
 
 const conversations = new Map(); // chat_id -> {chat_id, title, status, updated_at, preview, goal_state, seq}
 const models = new Map(); // chat_id -> the chat's messages and state (see model())
+const sharing = new Map(); // chat_id -> {owner, members: {user_id: role}}: who shares it
 let active = null; // chat_id on screen; null: a new chat, created by its first message
 let client = null;
 let everConnected = false;
@@ -209,6 +215,7 @@ function setTools(m, tools, seq) {
 function loadClientTools(m) {
   api("GET", `/v1/conversations/${encodeURIComponent(m.chatId)}`).then((c) => {
     setTools(m, c.client_tools ?? [], c.last_seq);
+    setSharing(m.chatId, c.owner, c.members);
     m.awaitingHttp = c.awaiting ?? {};
     if (m.chatId === active) scheduleRender();
   }, () => {}); // not fatal: the history's client_tools events and the snapshot tell it too
@@ -247,7 +254,7 @@ function applyEvent(f) {
   const d = f.data ?? {};
   switch (f.type) {
     case "user_message":
-      insertItem(m, { seq: f.seq, kind: "user", text: String(d.text ?? ""), ts: f.ts }, f);
+      insertItem(m, { seq: f.seq, kind: "user", text: String(d.text ?? ""), ts: f.ts, by: d.user_id ?? null }, f);
       if (d.client_msg_id) m.pending.delete(d.client_msg_id);
       break;
     case "turn_start":
@@ -280,9 +287,12 @@ function applyEvent(f) {
     case "tool_result": {
       // On its call's row; a result whose call this page does not hold gets a row of its own.
       const call = m.calls.get(d.call_id);
-      if (call) call.result = d.result;
+      if (call) {
+        call.result = d.result;
+        call.by = d.by ?? null;
+      }
       if (call && d.msg_id) announceAnswer(m, call);
-      if (!call) insertItem(m, { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: null, args: undefined, result: d.result }, f);
+      if (!call) insertItem(m, { seq: f.seq, kind: "tool", callId: d.call_id ?? null, name: null, args: undefined, result: d.result, by: d.by ?? null }, f);
       break;
     }
     case "step": { // ephemeral: "searching…" while it runs
@@ -335,6 +345,45 @@ function setTitle(chatId, title, seq) {
   scheduleRender();
 }
 
+// --- who shares a conversation ------------------------------------------------------------
+
+/** Who shares a chat, as heard last (the list, the feed, `members` frames, GET it). */
+function setSharing(chatId, owner, members) {
+  if (typeof owner !== "string") return;
+  sharing.set(chatId, { owner, members: { ...(members ?? {}) } });
+  if (chatId === active) scheduleRender();
+}
+
+/** Shared with anyone, or someone else's: its messages are labelled with their authors. */
+function isShared(chatId) {
+  const s = chatId ? sharing.get(chatId) : null;
+  return !!s && (Object.keys(s.members).length > 0 || (me != null && s.owner !== me));
+}
+
+/** This person's role in a chat: "owner", "member", "viewer"; null when not known. */
+function myRole(chatId) {
+  const s = chatId ? sharing.get(chatId) : null;
+  if (!s || me == null) return null;
+  return s.owner === me ? "owner" : s.members[me] ?? null;
+}
+
+/** A viewer reads it and writes nothing in it. */
+function readOnly(chatId) {
+  return myRole(chatId) === "viewer";
+}
+
+function personName(userId) {
+  return userId === me ? "You" : userId;
+}
+
+/** This person was removed from a chat: it closes, with a word, and leaves the list. */
+function removedFrom(chatId) {
+  const title = conversationTitle(conversations.get(chatId));
+  const shown = active === chatId;
+  removeConversation(chatId);
+  if (shown) gone(`You were removed from this conversation (“${title}”).`);
+}
+
 /**
  * What the open chat cost, short: tokens on the path shown (and billed over every version,
  * when a retry or an edit made them differ), and cost if the agent reports one. `detail`
@@ -385,6 +434,7 @@ function upsertConversation(c) {
     agent: c.agent ?? old?.agent ?? null,
     seq,
   });
+  setSharing(c.chat_id, c.owner, c.members);
   const m = models.get(c.chat_id);
   if (m) setGoal(m, c.goal_state ?? null, seq);
   if (m && Array.isArray(c.client_tools)) setTools(m, c.client_tools, seq);
@@ -396,6 +446,7 @@ function removeConversation(chatId, elsewhere = false) {
   const title = conversationTitle(conversations.get(chatId));
   conversations.delete(chatId);
   models.delete(chatId);
+  sharing.delete(chatId);
   if (editingTitle === chatId) editingTitle = null;
   if (confirmingDelete === chatId) confirmingDelete = null;
   if (active === chatId) {
@@ -1066,6 +1117,7 @@ function renderSidebar() {
       const select = h("button", { type: "button", class: "select" },
         h("span", { class: "title", "data-testid": "conversation-title" }),
         h("span", { class: "badge", "data-testid": "conversation-status" }),
+        h("span", { class: "shared", "data-testid": "conversation-shared" }),
         h("span", { class: "preview", "data-testid": "conversation-preview" }));
       select.addEventListener("click", () => selectChat(c.chat_id));
       li.append(select, h("div", { class: "row-slot" }));
@@ -1083,10 +1135,16 @@ function renderSidebar() {
     if (hasGoal) title.prepend(h("span", { class: "goal-dot", title: "active goal", "aria-label": "active goal: ", text: "◎" }));
     li.querySelector(".badge").textContent = c.status === "running" ? "running" : "";
     li.querySelector(".preview").textContent = c.preview ?? "";
+    const share = sharing.get(c.chat_id);
+    const sharedText = !share || me == null ? "" : share.owner !== me ? `shared by ${share.owner}`
+      : Object.keys(share.members).length ? "shared" : "";
+    li.querySelector(".shared").textContent = sharedText;
     // The row's controls, for the open chat only; rebuilt only when their state changes
     // (rebuilding would take the focus away from them).
     const slot = li.querySelector(".row-slot");
-    const state = !isActive || blocked ? "" : `${editingTitle === c.chat_id ? "edit" : confirmingDelete === c.chat_id ? "confirm" : "tools"}:${conversationTitle(c)}`;
+    // Rename and Delete are the owner's (a member's or a viewer's would be refused).
+    const owns = myRole(c.chat_id) !== "member" && myRole(c.chat_id) !== "viewer";
+    const state = !isActive || blocked || !owns ? "" : `${editingTitle === c.chat_id ? "edit" : confirmingDelete === c.chat_id ? "confirm" : "tools"}:${conversationTitle(c)}`;
     if (slot.dataset.state !== state) {
       slot.dataset.state = state;
       if (state) slot.replaceChildren(rowActions(c));
@@ -1122,19 +1180,46 @@ function author(kind) {
   return h("span", { class: "sr-only", text: kind === "user" ? "You said: " : "The agent said: " });
 }
 
+/**
+ * A user message's author, on a shared conversation: a name over it ("You" for this person;
+ * screen readers hear "bob said:"), and someone else's on the other side.
+ */
+function labelAuthor(m, node, by) {
+  const shared = isShared(m.chatId) && by != null;
+  const name = shared ? personName(by) : "You";
+  const key = `${shared}:${by}:${me}`;
+  if (node.dataset.authorKey === key) return;
+  node.dataset.authorKey = key;
+  node.dataset.by = by ?? "";
+  node.classList.toggle("others", shared && by !== me);
+  const label = node.querySelector(".by");
+  label.hidden = !shared;
+  label.textContent = shared ? name : "";
+  node.querySelector(".sr-only").textContent = `${name} said: `;
+}
+
+function authorLabel() {
+  return h("div", { class: "by", "data-testid": "message-author", "aria-hidden": "true", hidden: true });
+}
+
 function itemNode(m, it) {
   if (it.kind === "tool") return it.awaiting ? promptNode(m, it) : toolNode(m, it); // they change
   let node = m.nodes.get(it.key);
-  if (node) return node;
+  if (node) {
+    if (it.kind === "user") labelAuthor(m, node, it.by);
+    return node;
+  }
   if (it.kind === "user" || it.kind === "assistant") {
     node = h("div", { class: `msg ${it.kind}${it.cancelled ? " cancelled" : ""}` },
       author(it.kind),
+      it.kind === "user" ? authorLabel() : null,
       h("div", {
         class: "bubble", "data-testid": "message", "data-role": it.kind, "data-seq": it.seq,
         "data-node": it.node, "data-streamed": it.kind === "assistant" ? it.streamed : null,
         text: it.text,
       }));
     if (it.cancelled) node.append(h("div", { class: "meta", text: "stopped" }));
+    if (it.kind === "user") labelAuthor(m, node, it.by);
   } else if (it.kind === "turn_end") {
     const failed = failureText(it);
     node = h("div", {
@@ -1455,7 +1540,9 @@ function promptNode(m, it) {
   const body = node.querySelector(".prompt-body");
   const hadFocus = node.contains(document.activeElement) && !description.contains(document.activeElement);
   let parts;
-  if (state === "waiting") {
+  if (state === "waiting" && readOnly(m.chatId)) {
+    parts = [statusLine(m, it, "prompt-status", "Waiting for an answer. You can read this conversation, not answer here.")];
+  } else if (state === "waiting") {
     const form = answerFormNode(m, it, tool);
     const error = form.querySelector(".answer-error");
     const text = mine?.state === "invalid" || mine?.state === "failed" ? mine.error ?? "" : "";
@@ -1470,7 +1557,7 @@ function promptNode(m, it) {
     const said = answerText(it, tool);
     const text = mine?.state === "lost"
       ? `Sorry: another device answered first, so yours was not used. The answer: ${said}`
-      : `${mine?.state === "sent" ? "You answered" : "Answered"}: ${said}`;
+      : `${answeredBy(m, it, mine)}: ${said}`;
     parts = [statusLine(m, it, "prompt-answer", text, mine?.state === "lost" ? "lost" : "")];
   } else if (state === "unanswered") {
     const text = mine?.state === "lost"
@@ -1484,6 +1571,13 @@ function promptNode(m, it) {
   // The form went (answered, here or elsewhere): the focus stays in the prompt, on its outcome.
   if (hadFocus && !node.contains(document.activeElement)) parts[0].focus();
   return node;
+}
+
+/** Who answered a question: "You answered", "bob answered" (shared), or "Answered". */
+function answeredBy(m, it, mine) {
+  if (mine?.state === "sent") return "You answered";
+  if (it.by && isShared(m.chatId)) return `${personName(it.by)} answered`;
+  return "Answered";
 }
 
 /** A prompt's outcome or progress, in a line (kept while its words stay: said once). */
@@ -1522,7 +1616,7 @@ function pendingNode(m, id, p) {
     node = h("div", {
       class: `msg user pending${failed ? " failed" : ""}`, "data-testid": "pending-message",
       "data-state": p.state, "data-client-msg-id": id,
-    }, author("user"), h("div", { class: "bubble", text: p.text }), h("div", { class: "meta", "data-role": "meta" }));
+    }, author("user"), authorLabel(), h("div", { class: "bubble", text: p.text }), h("div", { class: "meta", "data-role": "meta" }));
     if (failed) {
       node.append(toolButton("Dismiss", "dismiss-failed", "Dismiss this unsent message", () => {
         m.pending.delete(id);
@@ -1531,6 +1625,7 @@ function pendingNode(m, id, p) {
     }
     m.nodes.set(key, node);
   }
+  labelAuthor(m, node, me);
   const meta = node.querySelector('[data-role="meta"]');
   const text = p.state === "failed" ? p.error
     : p.state === "sent" ? "sent" : client?.connected ? "sending…" : "queued: sent when reconnected";
@@ -1675,7 +1770,8 @@ function answerFirst(items) {
 function pathNodes(m) {
   const tree = client?.tree(m.chatId);
   if (!tree?.headKnown) return { nodes: m.items.map((it) => itemNode(m, it)), placed: false };
-  const busy = m.status === "running";
+  // A viewer's controls are disabled: every tree operation is a write.
+  const busy = m.status === "running" || readOnly(m.chatId);
   const shown = answerFirst(m.items.filter((it) => tree.visible(it)));
   const path = tree.path();
   // The turn whose answer is being written (a plain delta with no turn: after everything).
@@ -1734,7 +1830,7 @@ function streamingNode(m) {
 
 /** Every message was undone: say so, and offer each first message back (a switch). */
 function undoneNode(m) {
-  const key = `undone:${m.roots.map((r) => r.id).join(",")}`;
+  const key = `undone:${readOnly(m.chatId)}:${m.roots.map((r) => r.id).join(",")}`;
   let node = m.nodes.get(key);
   if (node) return node;
   for (const k of [...m.nodes.keys()]) if (k.startsWith("undone:")) m.nodes.delete(k);
@@ -1742,7 +1838,7 @@ function undoneNode(m) {
   node = h("div", { class: "undone", "data-testid": "undone" },
     h("p", { text: `You undid every message. Type a new one below, or bring back ${one ? "the conversation" : "one of its versions"}:` }),
     h("div", { class: "undone-list" }, ...m.roots.map((r) => {
-      const b = button(`↩ “${r.preview}”`, "bring-back", `Bring back “${r.preview}” and what followed it`, () => switchTo(m, r.id));
+      const b = button(`↩ “${r.preview}”`, "bring-back", `Bring back “${r.preview}” and what followed it`, () => switchTo(m, r.id), readOnly(m.chatId));
       b.classList.add("bring-back");
       return b;
     })));
@@ -1815,6 +1911,7 @@ function renderChat() {
     strip.dataset.status = "";
   }
   renderAgentState(m);
+  renderSharing(active);
   renderPresence(m);
   renderTyping(m);
 
@@ -1840,23 +1937,43 @@ function renderChat() {
   if (switched || nearBottom) box.scrollTop = box.scrollHeight;
 
   // While an answer streams, Send becomes Stop (in the same place; Enter says so).
-  $("composer").dataset.disabled = String(blocked);
-  $("input").disabled = blocked;
+  // A viewer reads: nothing to send, stop or undo, and a plain word why.
+  const viewer = readOnly(active);
+  $("composer").dataset.disabled = String(blocked || viewer);
+  $("input").disabled = blocked || viewer;
+  $("read-only").hidden = !viewer || blocked;
   const send = $("send");
   const stopButton = $("stop");
   const hadFocus = document.activeElement;
-  send.hidden = running;
-  send.disabled = blocked || running;
-  stopButton.hidden = !running || blocked;
+  send.hidden = running && !viewer;
+  send.disabled = blocked || running || viewer;
+  stopButton.hidden = !running || blocked || viewer;
   if (running && hadFocus === send) stopButton.focus();
   if (!running && hadFocus === stopButton) send.focus();
   // Undo takes back the active path's last user message (there is one unless it is empty).
   const undoButton = $("undo");
-  undoButton.disabled = blocked || !active || running || !tree?.headKnown || tree.head == null;
+  undoButton.disabled = blocked || viewer || !active || running || !tree?.headKnown || tree.head == null;
   if (!running && $("composer-hint").dataset.kind === "busy") hint();
 }
 
 // --- who is here, who is typing ----------------------------------------------------------
+
+const ROLE_WORDS = { owner: "owner", member: "member", viewer: "can read" };
+
+/** Who a shared chat is shared with, in the header: its owner first, then the others. */
+function renderSharing(chatId) {
+  const box = $("chat-sharing");
+  const s = isShared(chatId) ? sharing.get(chatId) : null;
+  const people = s ? [[s.owner, "owner"], ...Object.entries(s.members).sort(([a], [b]) => a.localeCompare(b))] : [];
+  const key = JSON.stringify([me, people]);
+  box.hidden = !s;
+  if (box.dataset.key === key) return;
+  box.dataset.key = key;
+  box.replaceChildren(...people.map(([userId, role]) => h("li", {
+    class: "sharer", "data-testid": "sharer", "data-user-id": userId, "data-role": role,
+    "data-me": userId === me ? "true" : null,
+  }, h("span", { class: "sharer-name", text: personName(userId) }), h("span", { class: "sharer-role", text: ` (${ROLE_WORDS[role] ?? role})` }))));
+}
 
 function plural(n, one, many) {
   return `${n} ${n === 1 ? one : many}`;
@@ -2070,6 +2187,7 @@ async function boot() {
     maxTextBytes = hello.limits?.max_text_bytes ?? maxTextBytes;
     $("whoami").textContent = `signed in as ${hello.user_id}`;
     me = hello.user_id;
+    scheduleRender(); // "You", and this person's role in each chat
     if (everConnected && active && !model(active).loaded) openChat(model(active));
     everConnected = true;
   });
@@ -2079,7 +2197,8 @@ async function boot() {
     loadAgents();
   });
   client.on("conversation", (f) => {
-    if (f.deleted) removeConversation(f.chat_id, true);
+    if (f.deleted && f.removed) removedFrom(f.chat_id);
+    else if (f.deleted) removeConversation(f.chat_id, true);
     else upsertConversation(f);
     scheduleRender();
   });
@@ -2138,6 +2257,9 @@ async function boot() {
     if (chatId === active) scheduleRender();
   });
   client.on("presence", ({ chatId }) => { if (chatId === active) scheduleRender(); });
+  // Who shares a chat changed (a member made a viewer reads from now on); removed: it closes.
+  client.on("members", ({ chatId, owner, members }) => setSharing(chatId, owner, members));
+  client.on("removed", ({ chatId }) => removedFrom(chatId));
   client.on("typing", ({ chatId }) => { if (chatId === active) scheduleRender(); });
   client.on("offline", () => renderConnection({ state: "reconnecting", reason: "offline" }));
   client.on("recovery", ({ chatId }) => {
