@@ -878,6 +878,8 @@ LAYOUT_RECORDER = r"""
     const box = document.querySelector('[data-testid="messages"]');
     if (!box) return;
     const all = [...box.children].map(label);
+    // An empty transcript (a reconnect's reload, seen once under load) shows no order.
+    if (!all.length) return;
     const last = all.lastIndexOf("U");
     const shown = all.slice(last).join(" ");
     if (window.__layouts.at(-1) !== shown) window.__layouts.push(shown);
