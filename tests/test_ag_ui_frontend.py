@@ -33,6 +33,7 @@ Event = dict[str, Any]
 PATH = "/v1/ag-ui"
 STATE = {"todo": ["milk"], "n": 1}
 PONDER = "".join(f"r{i} " for i in range(WORDS // 2))  # reasoning, word by word
+LISTENING: dict[str, asyncio.Event] = {}  # by chat: set once the test's reply shows a turn
 
 
 async def handler(turn: Turn) -> None:
@@ -49,7 +50,12 @@ async def handler(turn: Turn) -> None:
         await turn.end()
         return
     if words[:1] == ["state"]:
-        await turn.sleep(0.3)  # steps are ephemeral: the reply listens by now
+        # Steps are ephemeral: only a reply that listens sees them. It listens once it
+        # shows the turn's first (durable) reasoning.
+        await turn.reasoning("planning")
+        await turn.event("reasoning", {})
+        async with asyncio.timeout(10):
+            await LISTENING[turn.chat_id].wait()
         await turn.event("step", {"name": "plan", "status": "started"}, durable=False)
         await turn.event("state", {"snapshot": STATE})
         await turn.event("custom", {"name": "ping", "value": {"k": 1}})
@@ -217,8 +223,16 @@ async def test_the_messages_snapshot_is_the_active_path_with_the_streamed_ids(
 
 async def test_state_steps_and_custom_events(gateway: Any, agent: None, user: str,
                                              chat_id: str) -> None:
+    listening = LISTENING[chat_id] = asyncio.Event()
+
+    def shows_the_turn(events: list[Event]) -> bool:
+        if "REASONING_MESSAGE_CONTENT" in kinds(events):
+            listening.set()
+        return False  # read on to the end
+
     async with httpx.AsyncClient(base_url=gateway.http) as http:
-        _, events = await post(http, gateway, user, run_input(chat_id, [user_message("state")]))
+        _, events = await post(http, gateway, user, run_input(chat_id, [user_message("state")]),
+                               until=shows_the_turn)
         _, idle = await post(http, gateway, user, run_input(chat_id, []))
     check_order(events)
     order = [e["type"] for e in events if e["type"] in (

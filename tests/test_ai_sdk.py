@@ -322,12 +322,19 @@ async def test_closing_the_response_does_not_stop_the_turn_and_stop_does(
         assert idle.status_code == 404  # no such chat
         _, first, _ = await post(http, gateway, user, body(chat_id, "wait"),
                                  until=has_text(len("waiting")))
-        await asyncio.sleep(0.3)
-        meta = (await http.get(f"/v1/conversations/{chat_id}", headers=headers)).json()
-        assert meta["status"] == "running"  # the reply was closed; the turn goes on
+        went_on = asyncio.Event()
+
+        def grows(chunks: list[Chunk]) -> bool:
+            if len(text_of(chunks)) >= len(text_of(first)) + 3:
+                went_on.set()
+            return False  # read on to the end
+
         async with http.stream("GET", f"{CHAT}/{chat_id}/stream", headers=headers) as response:
-            resumed = asyncio.create_task(read_stream(response))
-            await asyncio.sleep(0.2)
+            resumed = asyncio.create_task(read_stream(response, until=grows))
+            async with asyncio.timeout(10):
+                await went_on.wait()  # the reply was closed; the turn goes on
+            meta = (await http.get(f"/v1/conversations/{chat_id}", headers=headers)).json()
+            assert meta["status"] == "running"
             stopped = await http.post(f"{CHAT}/{chat_id}/stop", headers=headers)
             chunks, done = await resumed
         again = await http.post(f"{CHAT}/{chat_id}/stop", headers=headers)
