@@ -329,12 +329,7 @@ class AgUiRun(TurnParts):
 
 def parse_input(body: bytes) -> tuple[RunAgentInput, str | None, dict[str, Any]]:
     """The run, the agent it names and the app's own props."""
-    try:
-        raw = _decode(body)
-    except msgspec.DecodeError as exc:
-        raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise Rejected("unprocessable", "Expected `object`, got `" + type(raw).__name__ + "`")
+    raw = tr.json_object(body)
     try:
         run = RunAgentInput.model_validate(raw)
     except pydantic.ValidationError as exc:

@@ -60,7 +60,6 @@ EXPOSE = "x-vercel-ai-ui-message-stream"  # the reply header a page on another o
 
 Chunk = dict[str, Any]
 _encode = msgspec.json.encode
-_decode = msgspec.json.decode
 
 
 # --- what the routes take and answer ---------------------------------------------------
@@ -254,12 +253,7 @@ async def _read_body(request: Request) -> bytes:
 
 def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     """The request and the app's own fields."""
-    try:
-        raw = _decode(body)
-    except msgspec.DecodeError as exc:
-        raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise Rejected("unprocessable", "Expected `object`, got `" + type(raw).__name__ + "`")
+    raw = tr.json_object(body)
     try:
         chat = msgspec.convert(raw, ChatRequest)
     except msgspec.ValidationError as exc:

@@ -396,6 +396,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def json_object(body: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object, refused with a clear reason if not."""
+    try:
+        raw = _decode(body)
+    except msgspec.DecodeError as exc:
+        raise Rejected("invalid_request", f"body is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise Rejected("unprocessable", "Expected `object`, got `" + type(raw).__name__ + "`")
+    return raw
+
+
 async def open_conversation(gateway: Gateway, who: Principal, chat_id: str,
                             agent: str | None) -> Meta:
     """The conversation, created for ``who`` (answered by ``agent``) if it does not exist."""
