@@ -389,10 +389,7 @@ async def run_endpoint(request: Request) -> Response:
         text = _text_of(last) if isinstance(last, UserMessage) else ""
         if isinstance(last, UserMessage) and not text:
             raise Rejected("invalid_request", "the last message has no text")
-        data = {"props": props} if props else None
-        if data is not None and len(_encode(data)) > gateway.settings.max_frame_bytes:
-            raise Rejected("payload_too_large", "forwardedProps are over "
-                           f"{gateway.settings.max_frame_bytes} bytes")
+        data = tr.props_data(gateway, props, "forwardedProps")
         meta = await tr.open_conversation(gateway, who, chat_id, agent)
         events = [event async for event in tr.path_events(gateway, chat_id)]
         answered = {str(e["data"].get("call_id")) for e in events

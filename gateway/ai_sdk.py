@@ -302,10 +302,7 @@ async def chat(request: Request) -> Response:
             text = user_text(last)
             if not text:
                 raise Rejected("invalid_request", "the last message has no text part")
-            data = {"props": extra} if extra else None
-            if data is not None and len(_encode(data)) > gateway.settings.max_frame_bytes:
-                raise Rejected("payload_too_large", "the app's own fields are over "
-                               f"{gateway.settings.max_frame_bytes} bytes")
+            data = tr.props_data(gateway, extra, "the app's own fields")
             meta = await tr.open_conversation(gateway, who, req.id, req.agent)
             ack = await conversations.post_message(who, p.Message(req.id, text, last.id, data))
             assert ack.turn_id is not None and ack.seq is not None

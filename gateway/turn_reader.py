@@ -407,6 +407,18 @@ def json_object(body: bytes) -> dict[str, Any]:
     return raw
 
 
+def props_data(gateway: Gateway, props: dict[str, Any], what: str) -> dict[str, Any] | None:
+    """The app's own fields as a message's ``data`` (``{"props": ...}``), or None when
+    there are none; refused past a frame (``what`` names them in the error)."""
+    if not props:
+        return None
+    data = {"props": props}
+    limit = gateway.settings.max_frame_bytes
+    if len(_encode(data)) > limit:
+        raise Rejected("payload_too_large", f"{what} are over {limit} bytes")
+    return data
+
+
 async def open_conversation(gateway: Gateway, who: Principal, chat_id: str,
                             agent: str | None) -> Meta:
     """The conversation, created for ``who`` (answered by ``agent``) if it does not exist."""
